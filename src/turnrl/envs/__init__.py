@@ -1,0 +1,41 @@
+"""Environment registry: one line per task family, imported lazily."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from turnrl.envs.base import Env, Message, StepResult, StopReason, Task, load_task_file
+
+ENV_REGISTRY: dict[str, str] = {
+    "number_guess": "turnrl.envs.number_guess:NumberGuessEnv",
+    "slosh_tank": "turnrl.envs.slosh_tank:SloshTankEnv",
+    "math": "turnrl.envs.math:MathEnv",
+    "key_door": "turnrl.envs.key_door:KeyDoorEnv",
+}
+
+
+def get_env_class(name: str) -> type[Env]:
+    """The environment class registered under ``name``."""
+    if name not in ENV_REGISTRY:
+        raise ValueError(f"unknown environment {name!r}; registered: {', '.join(sorted(ENV_REGISTRY))}")
+    module, _, attr = ENV_REGISTRY[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def make_env(task: Task, **options: Any) -> Env:
+    """Build the environment for a task."""
+    return get_env_class(task.env)(task, **options)
+
+
+__all__ = [
+    "ENV_REGISTRY",
+    "Env",
+    "Message",
+    "StepResult",
+    "StopReason",
+    "Task",
+    "get_env_class",
+    "load_task_file",
+    "make_env",
+]
