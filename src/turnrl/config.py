@@ -203,6 +203,11 @@ class RunConfig(_Section):
             raise ValueError("credit.estimator: branched needs rollout.branching, e.g. [4, 4]")
         if self.rollout.branching and self.credit.estimator != "branched":
             raise ValueError("rollout.branching is set; use credit.estimator: branched with it")
+        if self.loss.type == "importance_sampling" and self.loss.mismatch.mode != "none":
+            raise ValueError(
+                "loss.type: importance_sampling already corrects against the sampler's log-probs;"
+                " set loss.mismatch.mode: none (a mismatch weight would correct twice)"
+            )
         if self.loss.type == "centered" and self.sampler.top_k_logprobs < self.loss.centered.top_k:
             raise ValueError(
                 "loss.type: centered draws auxiliary tokens from the sampler's top-k;"

@@ -1,0 +1,146 @@
+"""The ``turnrl`` command."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(help="Reinforcement learning of language models on multi-turn tasks, with turn-level credit.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+tasks_app = typer.Typer(help="Task sets.", no_args_is_help=True)
+model_app = typer.Typer(help="Models.", no_args_is_help=True)
+app.add_typer(tasks_app, name="tasks")
+app.add_typer(model_app, name="model")
+console = Console()
+
+ConfigArg = Annotated[Path, typer.Argument(help="YAML run config (see configs/).")]
+SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key: --set train.steps=5 (repeatable).")]
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    from turnrl.config import ConfigError
+    from turnrl.envs.base import TaskFileError
+    from turnrl.models import ModelNotFoundError
+    from turnrl.train.loop import ResumeError
+
+    return ConfigError, TaskFileError, ModelNotFoundError, ResumeError, FileNotFoundError, ImportError
+
+
+def _fail(exc: BaseException) -> None:
+    console.print(f"[bold red]error:[/] {exc}", highlight=False)
+    raise typer.Exit(2)
+
+
+def _load(config: Path, overrides: list[str] | None, run_name: str | None = None):
+    from turnrl.config import load_config
+
+    cfg = load_config(config, overrides or [])
+    if run_name:
+        cfg.run_name = run_name
+    return cfg
+
+
+@app.command()
+def train(
+    config: ConfigArg,
+    run_name: Annotated[str | None, typer.Option(help="Name of the run directory (default: the config's run_name).")] = None,
+    set_: SetOpt = None,
+    resume: Annotated[Path | None, typer.Option(help="Continue the run in this directory from its last checkpoint.")] = None,
+    start_iter: Annotated[int | None, typer.Option(help="Start at outer iteration N, on saved adapters 0..N-1.")] = None,
+    allow_config_change: Annotated[bool, typer.Option(help="Resume even if the config changed.")] = False,
+) -> None:
+    """Train: evaluate the base, then collect → credit → update, evaluating every N steps and at the end."""
+    try:
+        cfg = _load(config, set_, run_name)
+        if resume is not None:
+            cfg.paths.output_dir, cfg.run_name = str(resume.parent), resume.name
+        from turnrl.train.loop import train as run_training
+
+        run_training(cfg, resume=resume is not None, start_iter=start_iter,
+                     allow_config_change=allow_config_change, console=console)
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+@app.command("eval")
+def eval_(
+    config: ConfigArg,
+    adapter: Annotated[Path | None, typer.Option(help="A saved peft adapter directory to evaluate.")] = None,
+    run_dir: Annotated[Path | None, typer.Option(help="Run directory whose adapters --iteration refers to.")] = None,
+    iteration: Annotated[int | None, typer.Option(help="Evaluate the merged model after iteration N (needs --run-dir).")] = None,
+    tasks: Annotated[Path | None, typer.Option(help="Task JSONL file (default: the config's eval tasks).")] = None,
+    scripted: Annotated[str | None, typer.Option(help="Evaluate a scripted policy of the environment instead of a model.")] = None,
+    max_turns: Annotated[int | None, typer.Option(help="Collector turn limit.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Write the metrics as a CSV row to this file.")] = None,
+    set_: SetOpt = None,
+) -> None:
+    """Evaluate the base model, an adapter, a merged iteration, or a scripted policy on held-out tasks."""
+    try:
+        from turnrl.eval import run_eval
+
+        cfg = _load(config, set_)
+        run_eval(cfg, console, adapter=adapter, run_dir=run_dir, iteration=iteration, tasks=tasks,
+                 scripted=scripted, max_turns=max_turns, out=out)
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+@tasks_app.command("build")
+def tasks_build(
+    family: Annotated[str, typer.Argument(help="Task family: slosh.")],
+    out: Annotated[Path, typer.Option(help="Output directory.")] = Path("tasks"),
+) -> None:
+    """Regenerate a task set from its environment source."""
+    if family != "slosh":
+        _fail(ValueError(f"unknown task family {family!r}; available: slosh"))
+    from turnrl.envs.slosh_tank import build_tasks
+
+    for path in build_tasks(out):
+        console.print(f"wrote {path}")
+
+
+@model_app.command("prepare")
+def model_prepare() -> None:
+    """Convert the embedded model (GGUF → cached safetensors) so later loads take a second."""
+    try:
+        from turnrl.models import embedded_model_dir
+
+        console.print(f"embedded model ready at {embedded_model_dir()}")
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+@app.command()
+def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) -> None:
+    """Write the run's plots to RUN_DIR/plots/."""
+    from turnrl.tracking import make_plots
+
+    for path in make_plots(run_dir):
+        console.print(f"wrote {path}")
+
+
+@app.command()
+def report(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    plots: Annotated[bool, typer.Option(help="Regenerate the plots first.")] = True,
+) -> None:
+    """Write a self-contained RUN_DIR/report.html (plots, tables, transcript browser)."""
+    try:
+        from turnrl.config import load_config
+        from turnrl.models import load_tokenizer
+        from turnrl.tracking import make_plots, write_report
+
+        cfg = load_config(run_dir / "config.yaml")
+        if plots:
+            make_plots(run_dir)
+        console.print(f"wrote {write_report(run_dir, tokenizer=load_tokenizer(cfg.model.name))}")
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+def main() -> None:  # pragma: no cover
+    sys.exit(app())

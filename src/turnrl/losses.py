@@ -1,0 +1,347 @@
+"""Token-level policy losses, KL, sampler/trainer mismatch weights and normalisers.
+
+Every tensor is padded [B, T]; ``mask`` is 1.0 on trained tokens. Log-probs:
+``logp`` = log π_θ(y_t) (with grad), ``old_logp`` = log π_old(y_t) (the policy
+at the start of this optimizer step's rollouts; None = on-policy,
+``logp.detach()``), ``behavior_logp`` = log q(y_t) (the sampler's). The
+importance ratio is ρ_t = exp(logp_t − old_logp_t) unless stated otherwise;
+sg(·) is stop-gradient.
+
+The trainer calls :func:`per_token_loss` for each micro-batch, then
+:func:`normalize` with batch-wide totals, so micro-batch losses add up to the
+full-batch loss. Metrics come back as token sums (see :func:`finalize_metrics`).
+
+ALGORITHMS.md §2.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from turnrl.config import LossConfig, MismatchConfig
+
+# ---- surrogate losses: each returns the per-token loss ℓ_t [B, T] -----------------------
+
+
+def clip_loss(
+    logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_lo: float = 0.2, eps_hi: float = 0.28
+) -> Tensor:
+    """PPO / GRPO / DAPO clipped surrogate (asymmetric clip-higher).
+
+    ℓ_t = −min(ρ_t A_t, clip(ρ_t, 1 − ε_lo, 1 + ε_hi) A_t),   ρ_t = exp(logp_t − old_logp_t)
+    """
+    ratio = torch.exp(logp - old_logp)
+    clipped = torch.clamp(ratio, 1.0 - eps_lo, 1.0 + eps_hi)
+    return -torch.minimum(ratio * advantages, clipped * advantages)
+
+
+def importance_sampling_loss(logp: Tensor, behavior_logp: Tensor, advantages: Tensor) -> Tensor:
+    """Tinker's importance-sampled policy gradient, against the sampler's log-probs.
+
+        ℓ_t = −ρ_t A_t,   ρ_t = exp(logp_t − behavior_logp_t)
+
+    ∇ℓ_t = −ρ_t A_t ∇logp_t: off-policy correct for a stale sampler, unclipped.
+    """
+    return -torch.exp(logp - behavior_logp) * advantages
+
+
+def cispo_loss(logp: Tensor, old_logp: Tensor, advantages: Tensor, eps_max: float = 5.0) -> Tensor:
+    """CISPO (MiniMax-M1): REINFORCE weighted by a truncated, detached ratio.
+
+        ℓ_t = −sg(min(ρ_t, ε_max)) A_t logp_t,   ρ_t = exp(logp_t − old_logp_t)
+
+    No token is dropped: a clipped token still gets gradient, only its weight is capped.
+    """
+    weight = torch.clamp(torch.exp(logp - old_logp), max=eps_max).detach()
+    return -weight * advantages * logp
+
+
+def centered_loss(logp: Tensor, aux_logp: Tensor, advantages: Tensor) -> Tensor:
+    """Policy gradient whose score is centered by auxiliary tokens.
+
+        ℓ_t = −A_t logp_t + A_t (m̄_t − sg(m̄_t)),   m̄_t = (1/K) Σ_k log π_θ(a_{t,k})
+
+    ``aux_logp`` [B, T, K] is log π_θ of K tokens drawn at each position from
+    the sampler's renormalised top-k (:func:`sample_aux_tokens`). The value
+    equals plain PG (−A_t logp_t); the gradient is −A_t (∇logp_t − ∇m̄_t).
+    """
+    mbar = aux_logp.mean(dim=-1)
+    return -advantages * logp + advantages * (mbar - mbar.detach())
+
+
+def kl_k3(logp: Tensor, ref_logp: Tensor) -> Tensor:
+    """Schulman's k3 estimator of KL(π_θ ‖ π_ref), per token, ≥ 0.
+
+    k3_t = exp(ref_t − logp_t) − (ref_t − logp_t) − 1
+    """
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1.0
+
+
+def sample_aux_tokens(
+    topk_ids: Tensor,
+    topk_logprobs: Tensor,
+    num_aux: int,
+    generator: torch.Generator | None = None,
+    *,
+    top_k: int | None = None,
+) -> Tensor:
+    """Draw K auxiliary tokens per position from the sampler's renormalised top-k.
+
+        a_{t,k} ~ p̃_t(i) = exp(lp_{t,i}) / Σ_{i'} exp(lp_{t,i'})   (i.i.d., with replacement)
+
+    ``topk_ids``/``topk_logprobs``: [B, T, k]. ``top_k`` keeps only the k most
+    likely candidates when the sampler recorded more. Positions whose
+    log-probs are all −inf (padding) draw uniformly. Returns ids [B, T, num_aux].
+    """
+    if top_k is not None and top_k < topk_logprobs.shape[-1]:
+        topk_logprobs, pick = topk_logprobs.topk(top_k, dim=-1)
+        topk_ids = topk_ids.gather(-1, pick)
+    b, t, k = topk_ids.shape
+    probs = torch.softmax(topk_logprobs.float().reshape(-1, k), dim=-1)
+    bad = ~torch.isfinite(probs).all(dim=-1)
+    probs[bad] = 1.0 / k
+    draws = torch.multinomial(probs, num_aux, replacement=True, generator=generator)
+    return topk_ids.reshape(-1, k).gather(-1, draws).reshape(b, t, num_aux)
+
+
+# ---- sampler/trainer mismatch ---------------------------------------------------------
+
+
+def mismatch_weights(
+    old_logp: Tensor, behavior_logp: Tensor, mask: Tensor, cfg: MismatchConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Detached correction weights for a sampler that differs from the trainer.
+
+        w = exp(old_logp − behavior_logp)                        (``token`` level)
+        w = exp(Σ_t m_t (old_logp_t − behavior_logp_t)), per row  (``sequence`` level)
+        ``truncate`` (TIS): w ← min(w, C)
+        ``mask`` (MIS):     w ← w · 1[c_min ≤ w ≤ c_max]
+        ``none``:           w ← 1
+
+    Returns w [B, T] (a sequence weight is repeated over the row; 0 where
+    mask = 0) and token sums for :func:`finalize_metrics`:
+    ``mismatch/weight_mean`` and ``mismatch/frac_truncated`` (w capped at C) or
+    ``mismatch/frac_masked`` (w zeroed), each counted per trained token.
+    """
+    m = mask > 0
+    log_w = torch.where(m, old_logp - behavior_logp, torch.zeros_like(old_logp)).detach().float()
+    if cfg.level == "sequence":
+        log_w = log_w.sum(dim=-1, keepdim=True).expand_as(log_w)
+    elif cfg.level != "token":
+        raise ValueError(f"loss.mismatch.level must be token or sequence (got {cfg.level!r})")
+    metrics: dict[str, Tensor] = {}
+    if cfg.mode == "none":
+        w = torch.ones_like(log_w)
+    elif cfg.mode == "truncate":
+        cap = math.log(cfg.c)
+        w = torch.exp(torch.clamp(log_w, max=cap))
+        metrics["mismatch/frac_truncated"] = ((log_w > cap) & m).sum().float()
+    elif cfg.mode == "mask":
+        lo = math.log(cfg.c_min) if cfg.c_min > 0 else -math.inf
+        hi = math.log(cfg.c_max)
+        keep = (log_w >= lo) & (log_w <= hi)
+        w = torch.where(keep, torch.exp(torch.clamp(log_w, max=hi)), torch.zeros_like(log_w))
+        metrics["mismatch/frac_masked"] = (~keep & m).sum().float()
+    else:
+        raise ValueError(f"loss.mismatch.mode must be none, truncate or mask (got {cfg.mode!r})")
+    w = torch.where(m, w, torch.zeros_like(w)).to(old_logp.dtype)
+    if cfg.mode != "none":
+        metrics["mismatch/weight_mean"] = w.float().sum()
+    return w, metrics
+
+
+# ---- the trainer's entry point ----------------------------------------------------------
+
+
+@dataclass
+class LossInputs:
+    """Masked inputs of one micro-batch (padding already replaced by harmless zeros)."""
+
+    logp: Tensor
+    old_logp: Tensor
+    behavior_logp: Tensor | None
+    advantages: Tensor
+    aux_logp: Tensor | None
+
+
+def _need(x: Tensor | None, what: str, loss: str) -> Tensor:
+    if x is None:
+        raise ValueError(f"loss.type {loss} needs {what}")
+    return x
+
+
+LOSSES: dict[str, Callable[[LossInputs, LossConfig], Tensor]] = {
+    "clip": lambda x, c: clip_loss(x.logp, x.old_logp, x.advantages, c.eps_lo, c.eps_hi),
+    "importance_sampling": lambda x, c: importance_sampling_loss(
+        x.logp,
+        _need(x.behavior_logp, "behavior_logp (the sampler's log-probs)", "importance_sampling"),
+        x.advantages,
+    ),
+    "cispo": lambda x, c: cispo_loss(x.logp, x.old_logp, x.advantages, c.eps_max),
+    "centered": lambda x, c: centered_loss(
+        x.logp,
+        _need(x.aux_logp, "aux_logp [B, T, K] (see sample_aux_tokens)", "centered"),
+        x.advantages,
+    ),
+}
+"""Per-token surrogate by ``loss.type``: one line per loss."""
+
+
+def per_token_loss(
+    cfg: LossConfig,
+    logp: Tensor,
+    old_logp: Tensor | None,
+    behavior_logp: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    aux_logp: Tensor | None = None,
+    ref_logp: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Per-token loss [B, T] (0 where mask = 0) and metric sums for one micro-batch.
+
+        ℓ_t = w_t · surrogate_t + β · k3_t
+
+    surrogate = ``LOSSES[cfg.type]``; w = :func:`mismatch_weights` (1 unless
+    ``cfg.mismatch.mode`` is set; applied to the policy term only, as TRL
+    does); the k3 term only when β > 0 (needs ``ref_logp``). ``advantages`` is
+    [B, T] or [B] (one per row). ``old_logp`` None means on-policy
+    (``logp.detach()``). Padding values never reach exp(): masked positions
+    are replaced by zeros first, so they give neither inf nor NaN gradients.
+
+    Metrics (detached 0-dim tensors, sums over trained tokens; aggregate with
+    :func:`finalize_metrics`): ``trained_tokens``; for ``clip`` TRL's
+    ``clip_ratio/low_mean`` (ρ < 1 − ε_lo and A < 0), ``clip_ratio/high_mean``
+    (ρ > 1 + ε_hi and A > 0), ``clip_ratio/region_mean`` (either); for
+    ``cispo`` TRL's ``cispo_clip_ratio`` (ρ > ε_max and A > 0); ``kl`` (mean
+    k3) whenever ``ref_logp`` is given; ``mismatch/abs_logp_gap_mean``
+    (|logp − behavior_logp|) whenever ``behavior_logp`` is given; and the
+    ``mismatch/...`` sums of :func:`mismatch_weights`.
+    """
+    if cfg.type == "importance_sampling" and cfg.mismatch.mode != "none":
+        raise ValueError(
+            "loss.type importance_sampling already corrects against the sampler's log-probs;"
+            " set loss.mismatch.mode: none (a mismatch weight would correct twice)"
+        )
+    m = mask > 0
+    zeros = torch.zeros_like(logp)
+
+    def clean(x: Tensor) -> Tensor:
+        return torch.where(m, x, zeros)
+
+    if advantages.dim() == 1:
+        advantages = advantages[:, None]
+    adv = clean(advantages.to(logp.dtype).expand_as(logp))
+    lp = clean(logp)
+    old = lp.detach() if old_logp is None else clean(old_logp.detach())
+    beh = None if behavior_logp is None else clean(behavior_logp.detach())
+    aux = None
+    if aux_logp is not None:
+        aux = torch.where(m[..., None], aux_logp, torch.zeros_like(aux_logp))
+
+    loss = LOSSES[cfg.type](LossInputs(lp, old, beh, adv, aux), cfg)
+    metrics: dict[str, Tensor] = {"trained_tokens": m.sum().float()}
+
+    def token_sum(x: Tensor) -> Tensor:
+        return torch.where(m, x.detach().float(), torch.zeros_like(x, dtype=torch.float32)).sum()
+
+    if cfg.type in ("clip", "cispo"):
+        ratio = torch.exp(lp - old).detach()
+        if cfg.type == "clip":
+            low = (ratio < 1 - cfg.eps_lo) & (adv < 0)
+            high = (ratio > 1 + cfg.eps_hi) & (adv > 0)
+            metrics["clip_ratio/low_mean"] = token_sum(low)
+            metrics["clip_ratio/high_mean"] = token_sum(high)
+            metrics["clip_ratio/region_mean"] = token_sum(low | high)
+        else:
+            metrics["cispo_clip_ratio"] = token_sum((ratio > cfg.eps_max) & (adv > 0))
+
+    if cfg.mismatch.mode != "none":
+        if beh is None:
+            raise ValueError(
+                f"loss.mismatch.mode {cfg.mismatch.mode} needs behavior_logp (the sampler's log-probs)"
+            )
+        w, mis = mismatch_weights(old, beh, mask, cfg.mismatch)
+        loss = loss * w
+        metrics.update(mis)
+    if beh is not None:
+        metrics["mismatch/abs_logp_gap_mean"] = token_sum((lp - beh).abs())
+
+    if ref_logp is not None:
+        k3 = kl_k3(lp, clean(ref_logp.detach()))
+        metrics["kl"] = token_sum(k3)
+        if cfg.beta > 0:
+            loss = loss + cfg.beta * k3
+    elif cfg.beta > 0:
+        raise ValueError(
+            f"loss.beta is {cfg.beta} > 0: pass ref_logp (the reference model's log-probs)"
+        )
+
+    return torch.where(m, loss, zeros), metrics
+
+
+TOKEN_MEAN_METRICS = (
+    "clip_ratio/low_mean",
+    "clip_ratio/high_mean",
+    "clip_ratio/region_mean",
+    "cispo_clip_ratio",
+    "kl",
+    "mismatch/weight_mean",
+    "mismatch/frac_truncated",
+    "mismatch/frac_masked",
+    "mismatch/abs_logp_gap_mean",
+)
+"""Keys of :func:`per_token_loss` metrics that are token sums, to be divided by ``trained_tokens``."""
+
+
+def finalize_metrics(sums: Mapping[str, Tensor | float]) -> dict[str, float]:
+    """Turn :func:`per_token_loss` metric sums into means over the optimizer batch.
+
+    Aggregate by summing every key over micro-batches (and ranks), including
+    ``trained_tokens``; then each key of :data:`TOKEN_MEAN_METRICS` present is divided
+    by the summed ``trained_tokens``. Other keys (the caller's own sums) are ignored.
+    """
+    n = max(float(sums.get("trained_tokens", 0.0)), 1.0)
+    return {k: float(sums[k]) / n for k in TOKEN_MEAN_METRICS if k in sums}
+
+
+# ---- normalisers ------------------------------------------------------------------------
+
+
+def normalize(
+    per_token: Tensor,
+    mask: Tensor,
+    norm: str,
+    *,
+    total_tokens: float,
+    total_rows: float,
+    max_len: float,
+) -> Tensor:
+    """Scalar loss of one micro-batch; summing over micro-batches gives the batch loss.
+
+    The totals are constants of the whole optimizer batch (not of the
+    micro-batch), so micro-batch values add up exactly:
+
+      * ``token_sum`` (DAPO):    Σ_{b,t} ℓ m / N,   N = ``total_tokens`` (trained tokens in the batch)
+      * ``seq_mean`` (GRPO):     Σ_b (Σ_t ℓ m / Σ_t m) / ``total_rows``   (a row without trained tokens adds 0)
+      * ``constant`` (Dr. GRPO): Σ_{b,t} ℓ m / (``total_rows`` · ``max_len``)
+
+    ``total_rows`` = rows in the optimizer batch; ``max_len`` should be a
+    constant L_max (e.g. the configured token budget per row), not the
+    longest row of the batch, so the scale does not depend on the batch.
+    """
+    lm = per_token * mask
+    if norm == "token_sum":
+        return lm.sum() / max(float(total_tokens), 1.0)
+    if norm == "seq_mean":
+        return (lm.sum(dim=-1) / mask.sum(dim=-1).clamp(min=1.0)).sum() / max(
+            float(total_rows), 1.0
+        )
+    if norm == "constant":
+        return lm.sum() / max(float(total_rows) * float(max_len), 1.0)
+    raise ValueError(f"loss.norm must be token_sum, seq_mean or constant (got {norm!r})")

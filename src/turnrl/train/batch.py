@@ -1,0 +1,133 @@
+"""Episodes → training rows → padded tensors.
+
+A *row* is one sequence with a loss mask: either a whole episode (every trained
+turn's tokens masked in, the episode as one sequence) or a single turn (the
+turn's full context as masked prompt, its action as the trained tokens). Turns
+whose advantage is None (a tree's shared prefix, trained in another leaf) are
+masked out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from turnrl.rollout.records import Episode, Turn
+
+
+@dataclass
+class Row:
+    ids: list[int]
+    mask: list[int]
+    advantages: list[float]
+    behavior_logprobs: list[float]
+    turn: int
+    """Turn index of a per-turn row; -1 for a whole-episode row."""
+    episode_id: str
+    topk_ids: list[list[int]] | None = None
+    topk_logprobs: list[list[float]] | None = None
+    turns_trained: int = 1
+    """How many turns of this row carry trained tokens."""
+
+
+def _turn_tokens(turn: Turn, advantage: float | None, n_prompt: int) -> tuple[list[int], list[float], list[float]]:
+    """Mask, advantages and behavior log-probs for ``n_prompt`` untrained tokens followed by a turn's action."""
+    n = len(turn.action_ids)
+    trained = advantage is not None
+    mask = [0] * n_prompt + [int(trained)] * n
+    adv = [0.0] * n_prompt + [advantage if trained else 0.0] * n
+    lps = [0.0] * n_prompt + list(turn.action_logprobs)
+    return mask, adv, lps
+
+
+def _topk(turns_and_prompts: list[tuple[Turn, int]]) -> tuple[list[list[int]] | None, list[list[float]] | None]:
+    if any(t.topk_ids is None for t, _ in turns_and_prompts):
+        return None, None
+    ids: list[list[int]] = []
+    lps: list[list[float]] = []
+    for turn, n_prompt in turns_and_prompts:
+        k = len(turn.topk_ids[0]) if turn.topk_ids else 0
+        ids += [[0] * k] * n_prompt + turn.topk_ids
+        lps += [[0.0] * k] * n_prompt + turn.topk_logprobs
+    return ids, lps
+
+
+def turn_rows(episode: Episode, advantages: list[float | None]) -> list[Row]:
+    """One row per trained turn: context (masked) + action (trained)."""
+    rows = []
+    for turn, adv in zip(episode.turns, advantages, strict=True):
+        if adv is None:
+            continue
+        mask, advs, lps = _turn_tokens(turn, adv, len(turn.prompt_ids))
+        topk_ids, topk_lps = _topk([(turn, len(turn.prompt_ids))])
+        rows.append(Row(turn.sequence_ids, mask, advs, lps, turn.index, episode.episode_id, topk_ids, topk_lps))
+    return rows
+
+
+def episode_row(episode: Episode, advantages: list[float | None]) -> Row:
+    """The whole episode as one row; requires each turn's context to extend the previous one."""
+    ids: list[int] = []
+    mask: list[int] = []
+    advs: list[float] = []
+    lps: list[float] = []
+    parts: list[tuple[Turn, int]] = []
+    for turn, adv in zip(episode.turns, advantages, strict=True):
+        if turn.prompt_ids[: len(ids)] != ids:
+            raise ValueError(
+                f"episode {episode.episode_id}: turn {turn.index}'s context does not extend the previous"
+                " turn (e.g. exclude_think); it must be trained as per-turn rows"
+            )
+        n_prompt = len(turn.prompt_ids) - len(ids)
+        m, a, lp = _turn_tokens(turn, adv, n_prompt)
+        ids += turn.prompt_ids[len(ids):] + turn.action_ids
+        mask, advs, lps = mask + m, advs + a, lps + lp
+        parts.append((turn, n_prompt))
+    topk_ids, topk_lps = _topk(parts)
+    trained = sum(a is not None for a in advantages)
+    return Row(ids, mask, advs, lps, -1, episode.episode_id, topk_ids, topk_lps, trained)
+
+
+def build_rows(episodes: list[Episode], advantages: dict[str, list[float | None]], per_turn: bool) -> list[Row]:
+    """Training rows for a batch; rows with no trained token are dropped."""
+    rows: list[Row] = []
+    for ep in episodes:
+        advs = advantages[ep.episode_id]
+        rows += turn_rows(ep, advs) if per_turn else [episode_row(ep, advs)]
+    return [r for r in rows if any(r.mask)]
+
+
+@dataclass
+class Batch:
+    """Right-padded tensors for a list of rows; log-prob-like tensors align with token positions."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    loss_mask: torch.Tensor
+    advantages: torch.Tensor
+    behavior_logprobs: torch.Tensor
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(**{k: (v.to(device) if v is not None else None) for k, v in self.__dict__.items()})
+
+
+def collate(rows: list[Row], pad_id: int) -> Batch:
+    width = max(len(r.ids) for r in rows)
+
+    def pad(values: list, fill) -> list:
+        return values + [fill] * (width - len(values))
+
+    batch = Batch(
+        input_ids=torch.tensor([pad(r.ids, pad_id) for r in rows], dtype=torch.long),
+        attention_mask=torch.tensor([pad([1] * len(r.ids), 0) for r in rows], dtype=torch.long),
+        loss_mask=torch.tensor([pad(r.mask, 0) for r in rows], dtype=torch.float32),
+        advantages=torch.tensor([pad(r.advantages, 0.0) for r in rows], dtype=torch.float32),
+        behavior_logprobs=torch.tensor([pad(r.behavior_logprobs, 0.0) for r in rows], dtype=torch.float32),
+    )
+    if all(r.topk_ids is not None for r in rows):
+        k = max(len(x) for r in rows for x in r.topk_ids)
+        batch.topk_ids = torch.tensor([pad(r.topk_ids, [0] * k) for r in rows], dtype=torch.long)
+        batch.topk_logprobs = torch.tensor([pad(r.topk_logprobs, [0.0] * k) for r in rows], dtype=torch.float32)
+    return batch

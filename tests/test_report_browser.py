@@ -1,0 +1,185 @@
+"""The run report opened in headless Chromium: it loads cleanly, shows its plots, and opening an
+episode shows its tokens coloured by advantage.
+
+Needs Playwright for Python and a Chromium binary; no browser is downloaded:
+
+    pip install playwright          # the Python package only; never `playwright install`
+    apt-get install -y chromium     # Debian/Ubuntu; or point TURNRL_CHROMIUM at a binary
+
+Without them every test here is skipped with that hint. ``TURNRL_SAVE_SCREENSHOT=1`` saves a
+screenshot of an opened episode to ``docs/report_screenshot.png``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+try:
+    from test_tracking import FakeTokenizer, build_run
+except ImportError:  # tests collected as a package
+    from tests.test_tracking import FakeTokenizer, build_run
+
+from turnrl.tracking.report import write_report
+
+INSTALL_HINT = (
+    "needs Playwright and Chromium: `pip install playwright` and `apt-get install -y chromium`"
+    " (or set TURNRL_CHROMIUM to a Chromium binary); no `playwright install` download is used"
+)
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+]
+
+
+def _chromium() -> str | None:
+    for candidate in (
+        os.environ.get("TURNRL_CHROMIUM"),
+        "/usr/bin/chromium",
+        shutil.which("chromium"),
+        shutil.which("chromium-browser"),
+    ):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+try:
+    from playwright.sync_api import sync_playwright
+except ImportError:
+    sync_playwright = None
+
+CHROMIUM = _chromium()
+_missing = [
+    name
+    for name, ok in (("playwright", sync_playwright is not None), ("chromium", CHROMIUM))
+    if not ok
+]
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(bool(_missing), reason=f"{' and '.join(_missing)} missing: {INSTALL_HINT}"),
+]
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+class Page:
+    """A page that records JS errors and every request that is not the report itself or data:."""
+
+    def __init__(self, browser, path: Path) -> None:
+        self.page = browser.new_page(viewport={"width": 1400, "height": 900})
+        self.errors: list[str] = []
+        self.external: list[str] = []
+        self.dialogs: list[str] = []
+        self.page.on("console", lambda m: self.errors.append(m.text) if m.type == "error" else None)
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
+        url = path.resolve().as_uri()
+        self.page.on(
+            "request",
+            lambda r: (
+                None
+                if r.url in (url, url + "#") or r.url.startswith("data:")
+                else self.external.append(r.url)
+            ),
+        )
+        self.page.goto(url)
+
+    def check_clean(self) -> None:
+        assert self.errors == [], self.errors
+        assert self.external == [], self.external  # self-contained: nothing else is fetched
+        assert self.dialogs == []  # the hostile action text did not run
+
+
+def test_report_loads_with_plots_and_coloured_tokens(browser, tmp_path):
+    run = build_run(tmp_path / "run")
+    view = Page(browser, write_report(run, tokenizer=FakeTokenizer()))
+    page = view.page
+
+    widths = page.eval_on_selector_all(
+        "#plots img", "els => els.map(e => e.complete ? e.naturalWidth : 0)"
+    )
+    assert len(widths) == 7 and all(w > 0 for w in widths)
+    assert "+50.0 pp" in page.inner_text("#results")
+
+    assert page.locator("#detail .tok").count() == 0  # nothing rendered before a click
+    page.click('.ep[data-episode-id="tree-s1-01"]')
+    detail = page.locator("#detail")
+    assert detail.locator(".tok[data-adv]").count() == 5  # 3 action tokens in turn 0, 2 in turn 1
+    assert (
+        detail.locator(".tok.adv.pos").count() == 3 and detail.locator(".tok.adv.neg").count() == 2
+    )
+    assert detail.locator(".tok.ctx").count() > 0  # context / environment tokens, untrained
+    first = detail.locator(".tok.adv.pos").first
+    assert first.get_attribute("title").startswith(
+        "A = +0.5000"
+    ) and "logp -0.100" in first.get_attribute("title")
+    assert "w41" in detail.inner_text() and "done" in detail.inner_text()
+    assert page.locator(".ep.sel").get_attribute("data-episode-id") == "tree-s1-01"
+
+    page.click('.ep[data-episode-id="eval-s6-0"]')  # evaluation: nothing trained
+    assert (
+        detail.locator(".tok[data-adv]").count() == 0
+        and detail.locator(".tok.act-untrained").count() > 0
+    )
+
+    if os.environ.get("TURNRL_SAVE_SCREENSHOT") == "1":
+        page.click('.ep[data-episode-id="tree-s1-01"]')
+        page.evaluate("document.getElementById('transcripts').scrollIntoView()")
+        out = Path(__file__).resolve().parents[1] / "docs" / "report_screenshot.png"
+        out.parent.mkdir(exist_ok=True)
+        page.screenshot(path=str(out))
+    view.check_clean()
+
+
+def test_report_filters_and_pages_many_episodes(browser, tmp_path):
+    run = build_run(tmp_path / "run", steps=40, iterations=2)  # 40 steps × 7 episodes + 16 eval
+    view = Page(browser, write_report(run))  # no tokenizer: one span per action
+    page = view.page
+    assert page.inner_text("#page-info") == "page 1/4 · 96 groups · 296 episodes"
+    assert page.locator("#list .ep").count() < 100  # only the current page is in the DOM
+    page.click("#next")
+    assert page.inner_text("#page-info").startswith("page 2/4")
+
+    page.select_option("#f-source", "@eval")
+    assert page.inner_text("#page-info") == "page 1/1 · 16 groups · 16 episodes"
+    page.select_option("#f-source", "")
+    page.fill("#f-search", "flat-s7-")
+    assert page.inner_text("#page-info") == "page 1/1 · 1 groups · 3 episodes"
+    page.select_option("#f-outcome", "success")
+    assert page.locator("#list .ep").count() == 1
+
+    page.click('.ep[data-episode-id="flat-s7-1"]')
+    detail = page.locator("#detail")
+    assert detail.locator(".tok[data-adv]").count() == 3  # one span per trained turn
+    assert detail.locator(".tok.ctx").count() == 4  # the prompt and three environment replies
+    assert "guess 2" in detail.inner_text() and "correct" in detail.inner_text()
+
+    page.fill("#f-search", "")
+    page.select_option("#f-outcome", "")
+    page.click('.ep[data-episode-id="flat-s1-0"]')  # model text that tries to close the script tag
+    assert "</script><script>alert(1)</script>" in detail.inner_text()
+    view.check_clean()
+
+
+def test_deep_link_opens_episode(browser, tmp_path):
+    run = build_run(tmp_path / "run")
+    path = write_report(run, tokenizer=FakeTokenizer())
+    page = browser.new_page()
+    page.goto(path.resolve().as_uri() + "#ep=flat-s2-1")
+    assert page.locator("#detail .tok[data-adv]").count() == 3 * 4
+    assert page.locator(".ep.sel").get_attribute("data-episode-id") == "flat-s2-1"
