@@ -135,6 +135,8 @@ class TrainConfig(_Section):
     logprob_chunk: int = Field(256, ge=1)
     """Positions per chunk when computing log-probs from hidden states."""
     checkpoint_every: int = Field(1, ge=1)
+    max_seconds: float | None = Field(None, gt=0)
+    """Wall-clock budget for the training steps of the run (evaluation excluded); stops early when spent."""
 
 
 class EvalConfig(_Section):

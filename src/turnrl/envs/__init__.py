@@ -7,7 +7,7 @@ from typing import Any
 
 from turnrl.envs.base import Env, Message, StepResult, StopReason, Task, load_task_file
 
-ENV_REGISTRY: dict[str, str] = {
+ENV_REGISTRY: dict[str, str | type[Env]] = {
     "number_guess": "turnrl.envs.number_guess:NumberGuessEnv",
     "slosh_tank": "turnrl.envs.slosh_tank:SloshTankEnv",
     "math": "turnrl.envs.math:MathEnv",
@@ -15,11 +15,19 @@ ENV_REGISTRY: dict[str, str] = {
 }
 
 
+def register_env(name: str, target: str | type[Env]) -> None:
+    """Register an environment class (or its ``"module:Class"`` path) under ``name``."""
+    ENV_REGISTRY[name] = target
+
+
 def get_env_class(name: str) -> type[Env]:
     """The environment class registered under ``name``."""
     if name not in ENV_REGISTRY:
         raise ValueError(f"unknown environment {name!r}; registered: {', '.join(sorted(ENV_REGISTRY))}")
-    module, _, attr = ENV_REGISTRY[name].partition(":")
+    target = ENV_REGISTRY[name]
+    if not isinstance(target, str):
+        return target
+    module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)
 
 
@@ -38,4 +46,5 @@ __all__ = [
     "get_env_class",
     "load_task_file",
     "make_env",
+    "register_env",
 ]

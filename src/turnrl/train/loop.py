@@ -94,6 +94,8 @@ class RunState:
     cursor: int = 0
     """Tasks consumed from the training stream."""
     sampler_version: int = 0
+    train_seconds: float = 0.0
+    """Wall-clock seconds spent in training steps (for ``train.max_seconds``)."""
 
 
 def run_dir_for(cfg: RunConfig) -> Path:
@@ -230,6 +232,10 @@ def collect_batch(
     return kept, {"dynamic_sampling/dropped_groups": float(dropped)}
 
 
+def _out_of_time(cfg: RunConfig, state: RunState) -> bool:
+    return cfg.train.max_seconds is not None and state.train_seconds >= cfg.train.max_seconds
+
+
 def per_turn_rows(cfg: RunConfig) -> bool:
     return (
         cfg.credit.estimator in ("branched", "stepwise") or cfg.train.decompose_turns or cfg.credit.exclude_think
@@ -270,6 +276,7 @@ def train_step(
     )
     state.step += 1
     state.iteration_step += 1
+    state.train_seconds += t2 - t0
     if state.step % cfg.sampler.refresh_every == 0:
         sampler.refresh()
     state.sampler_version = sampler.policy_version
@@ -348,7 +355,7 @@ def train(
                 TextColumn("{task.fields[info]}"), TimeElapsedColumn(), console=console, transient=False,
             ) as progress:
                 bar = progress.add_task("train", total=steps_per_iter, completed=state.iteration_step, info="")
-                while state.iteration_step < steps_per_iter:
+                while state.iteration_step < steps_per_iter and not _out_of_time(cfg, state):
                     episodes, metrics = train_step(cfg, model, optimizer, sampler, chat, train_tasks, state)
                     for ep in episodes:
                         ep.metrics["step"] = float(state.step)
@@ -356,7 +363,7 @@ def train(
                         write_jsonl(run_dir / "rollouts" / f"iter_{state.iteration:03d}.jsonl", episodes, append=True)
                     sink.log_step(state.step, {"iteration": float(state.iteration), **metrics})
                     progress.update(bar, advance=1, info=f"reward {metrics.get('reward', 0):.3f}")
-                    last = state.iteration_step == steps_per_iter
+                    last = state.iteration_step == steps_per_iter or _out_of_time(cfg, state)
                     if cfg.eval.every and state.step % cfg.eval.every == 0 and not last:
                         run_eval("step")
                     if state.step % cfg.train.checkpoint_every == 0 and not last:
