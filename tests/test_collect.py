@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from toy_envs import CountEnv, EarlyEndEnv
 
+from toy_envs import CountEnv, EarlyEndEnv
+from turnrl.config import LoraConfig
 from turnrl.envs import StopReason, register_env
 from turnrl.models import attach_lora
-from turnrl.config import LoraConfig
 from turnrl.rollout.collect import ChatTokens, collect, render_ids
 from turnrl.rollout.records import loss_mask
 from turnrl.sampling.base import SamplingParams

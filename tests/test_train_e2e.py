@@ -8,9 +8,9 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
-from toy_envs import CountEnv
 from typer.testing import CliRunner
 
+from toy_envs import CountEnv
 from turnrl.cli import app
 from turnrl.config import parse_config
 from turnrl.envs import register_env

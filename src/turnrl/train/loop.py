@@ -286,6 +286,19 @@ def train_step(
 # ----------------------------------------------------------------------------- the run
 
 
+def evaluate_and_log(
+    cfg: RunConfig, tasks: list[Task], sampler: HFSampler, chat: ChatTokens, state: RunState, run_dir: Path,
+    sink: MultiSink, label: str,
+) -> dict[str, float]:
+    """Evaluate on held-out tasks; save the episodes and log one eval row."""
+    result = evaluate(tasks, sampler, chat, cfg, seed=step_seed(cfg.seed, state.step, salt=99))
+    for ep in result.episodes:
+        ep.metrics["step"] = float(state.step)
+    write_jsonl(run_dir / "rollouts" / f"eval_step_{state.step:05d}.jsonl", result.episodes)
+    sink.log_eval(state.step, {"iteration": float(state.iteration), "label": label, **result.metrics})
+    return result.metrics
+
+
 def train(
     cfg: RunConfig, *, resume: bool = False, start_iter: int | None = None, allow_config_change: bool = False,
     console: Console | None = None,
@@ -338,12 +351,7 @@ def train(
             chat = ChatTokens(tokenizer, cfg.model.chat_template_kwargs, strip_think if cfg.credit.exclude_think else None)
 
             def run_eval(label: str) -> dict[str, float]:
-                result = evaluate(eval_tasks, eval_sampler, chat, cfg, seed=step_seed(cfg.seed, state.step, salt=99))
-                for ep in result.episodes:
-                    ep.metrics["step"] = float(state.step)
-                write_jsonl(run_dir / "rollouts" / f"eval_step_{state.step:05d}.jsonl", result.episodes)
-                sink.log_eval(state.step, {"iteration": float(state.iteration), "label": label, **result.metrics})
-                return result.metrics
+                return evaluate_and_log(cfg, eval_tasks, eval_sampler, chat, state, run_dir, sink, label)  # noqa: B023
 
             if state.step == 0 and cfg.eval.before and "base" not in summary:
                 summary["base"] = run_eval("base")

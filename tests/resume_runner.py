@@ -1,0 +1,88 @@
+"""`turnrl` on the tiny model with the toy env, killing itself with SIGKILL at a chosen point.
+
+KILL_AT=event:n picks the n-th occurrence of: checkpoint (mid-write of checkpoint/state.pt),
+step (right after a step's metrics are logged), eval (after an evaluation row), adapter
+(mid-write of an adapter directory), rollouts (mid-write of a rollouts line).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import turnrl.train.loop as loop  # noqa: E402
+from toy_envs import CountEnv  # noqa: E402
+from turnrl.envs import register_env  # noqa: E402
+from turnrl.tracking import MultiSink  # noqa: E402
+
+register_env("count", CountEnv)
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _install(event: str, n: int) -> None:
+    seen = {"k": 0}
+
+    def hit() -> bool:
+        seen["k"] += 1
+        return seen["k"] == n
+
+    if event == "checkpoint":
+        real = loop.torch.save
+
+        def save(obj, path, *a, **kw):
+            if hit():
+                with open(path, "wb") as fh:
+                    fh.write(b"half a checkpoint")
+                _die()
+            return real(obj, path, *a, **kw)
+
+        loop.torch.save = save
+    elif event in ("step", "eval"):
+        name = f"log_{event}"
+        real_log = getattr(MultiSink, name)
+
+        def log(self, *a, **kw):
+            real_log(self, *a, **kw)
+            if hit():
+                _die()
+
+        setattr(MultiSink, name, log)
+    elif event == "adapter":
+        real_adapter = loop.save_adapter
+
+        def save_adapter(model, path):
+            if hit():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                (path.parent / f".{path.name}.partial").mkdir(exist_ok=True)
+                _die()
+            return real_adapter(model, path)
+
+        loop.save_adapter = save_adapter
+    elif event == "rollouts":
+        real_write = loop.write_jsonl
+
+        def write_jsonl(path, records, append=False):
+            if append and hit():
+                with open(path, "a") as fh:
+                    fh.write('{"episode_id": "torn')
+                _die()
+            return real_write(path, records, append=append)
+
+        loop.write_jsonl = write_jsonl
+    else:
+        raise SystemExit(f"unknown KILL_AT event {event}")
+
+
+if __name__ == "__main__":
+    if os.environ.get("KILL_AT"):
+        event, count = os.environ["KILL_AT"].split(":")
+        _install(event, int(count))
+    from turnrl.cli import app
+
+    app()
