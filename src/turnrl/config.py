@@ -46,12 +46,16 @@ class DataConfig(_Section):
     train_file: str | None = None
     eval_file: str | None = None
     """Task JSONL files; when unset the environment's built-in tasks are used."""
+    train_split: str = "train"
+    eval_split: str = "eval"
+    """Which built-in task set to use when no file is given (e.g. ``smoke`` for slosh_tank)."""
     num_eval_tasks: int | None = Field(None, ge=1)
     """Evaluate on the first N held-out tasks (all when unset)."""
 
 
 class SamplerConfig(_Section):
-    backend: Literal["hf", "vllm", "openai"] = "hf"
+    backend: Literal["hf"] = "hf"
+    """Generation backend. Only local transformers (``hf``) exists so far; vLLM is planned."""
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
     max_tokens: int = Field(64, ge=1)

@@ -60,7 +60,8 @@ def load_tasks(cfg: RunConfig, split: str) -> list[Task]:
         loader = getattr(env_cls, "load_tasks", None)
         tasks = loader(path, split) if loader else load_task_file(path, split)
     else:
-        tasks = env_cls.default_tasks(split, **cfg.env.options)
+        named = cfg.data.train_split if split == "train" else cfg.data.eval_split
+        tasks = env_cls.default_tasks(named, **cfg.env.options)
     if split == "eval" and cfg.data.num_eval_tasks:
         tasks = tasks[: cfg.data.num_eval_tasks]
     return tasks
@@ -314,14 +315,24 @@ def train(
         check_resume_config(run_dir, cfg, allow_config_change)
         ckpt = load_checkpoint(run_dir)
         _truncate_to(run_dir, ckpt["rows"] if ckpt else {})
-    elif (run_dir / "checkpoint" / "state.pt").exists() and start_iter is None:
+    elif start_iter is not None and (run_dir / "config.yaml").exists():
+        check_resume_config(run_dir, cfg, allow_config_change)
+    elif (run_dir / "checkpoint" / "state.pt").exists():
         raise ResumeError(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-name")
     run_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(run_dir / "config.yaml", dump_config(cfg))
 
     state = RunState(**ckpt["state"]) if ckpt else RunState()
-    if start_iter is not None:
-        state = RunState(step=start_iter * steps_per_iter, iteration=start_iter, cursor=start_iter * steps_per_iter * cfg.rollout.tasks_per_step)
+    summary_path = run_dir / "progress" / "summary.json"
+    summary: dict[str, Any] = dict(ckpt["summary"]) if ckpt else {}
+    if start_iter is not None:  # restart at iteration N on the saved adapters 0..N-1
+        state = RunState(step=start_iter * steps_per_iter, iteration=start_iter,
+                         cursor=start_iter * steps_per_iter * cfg.rollout.tasks_per_step)
+        for path in run_dir.glob("rollouts/iter_*.jsonl"):
+            if int(path.stem.split("_")[1]) >= start_iter:
+                path.unlink()
+        summary = json.loads(summary_path.read_text()) if summary_path.exists() else {}
+        ckpt = None
     if ckpt:
         random.setstate(ckpt["rng"]["python"])
         np.random.set_state(ckpt["rng"]["numpy"])
@@ -329,9 +340,8 @@ def train(
 
     train_tasks, eval_tasks = load_tasks(cfg, "train"), load_tasks(cfg, "eval")
     sink = MultiSink(make_sinks(cfg.tracking, run_dir, cfg.run_name, cfg.model_dump(mode="json"),
-                                resume_step=state.step if resume else None, console=console))
-    summary_path = run_dir / "progress" / "summary.json"
-    summary: dict[str, Any] = dict(ckpt["summary"]) if ckpt else {}
+                                resume_step=state.step if (resume or start_iter is not None) else None,
+                                console=console))
 
     model = optimizer = sampler = chat = None
     try:
