@@ -116,6 +116,24 @@ class Env(ABC):
         return "\n".join(m["content"] for m in messages)
 
 
+def check_options(env_name: str, options: dict[str, Any], allowed: frozenset[str]) -> None:
+    """Refuse environment options the environment does not know, naming the allowed ones."""
+    unknown = sorted(set(options) - allowed)
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(map(repr, unknown))} for environment {env_name!r}; "
+            f"allowed: {', '.join(sorted(allowed))}"
+        )
+
+
+def check_split(split: str) -> str:
+    """A built-in split name (train/eval), or a clear error."""
+    valid = [str(s) for s in SplitName]
+    if str(split) not in valid:
+        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(valid)}")
+    return str(split)
+
+
 class TaskFileError(ValueError):
     """A task file has a bad line; the message names the file, line and field."""
 

@@ -49,7 +49,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from turnrl.envs.base import Env, Message, SplitName, StepResult, StopReason, Task
+from turnrl.envs.base import (
+    Env,
+    Message,
+    SplitName,
+    StepResult,
+    StopReason,
+    Task,
+    check_options,
+    check_split,
+)
 
 PALETTE: tuple[str, ...] = ("red", "blue", "green", "yellow", "purple", "orange")
 DEFAULT_NUM_COLORS = 3
@@ -373,7 +382,7 @@ def generate_tasks(split: str, num_colors: int = DEFAULT_NUM_COLORS) -> list[Tas
     first quarter goes to eval. Each task's ``seed`` (its index in that shuffled
     list) fixes the order in which the colours are listed.
     """
-    split = _check_split(split)
+    split = check_split(split)
     if (
         isinstance(num_colors, bool)
         or not isinstance(num_colors, int)
@@ -423,7 +432,7 @@ class KeyDoorEnv(Env):
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
-        _check_options(self.name, options, self.OPTIONS)
+        check_options(self.name, options, self.OPTIONS)
         try:
             self.game = make_game(task.params, horizon=options.get("horizon"))
         except (KeyError, TypeError, ValueError) as exc:
@@ -475,7 +484,7 @@ class KeyDoorEnv(Env):
     @classmethod
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """Generated rooms (see :func:`generate_tasks`); option ``num_colors`` (default 3)."""
-        _check_options(cls.name, options, cls.OPTIONS)
+        check_options(cls.name, options, cls.OPTIONS)
         return generate_tasks(split, options.get("num_colors", DEFAULT_NUM_COLORS))
 
 
@@ -591,19 +600,3 @@ def key_door_tool_dataset(split: str, num_colors: int = DEFAULT_NUM_COLORS) -> l
 
 def _join(items: tuple[str, ...]) -> str:
     return ", ".join(items[:-1]) + f" and {items[-1]}" if len(items) > 1 else items[0]
-
-
-def _check_options(env_name: str, options: dict[str, Any], allowed: frozenset[str]) -> None:
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(map(repr, unknown))} for environment {env_name!r}; "
-            f"allowed: {', '.join(sorted(allowed))}"
-        )
-
-
-def _check_split(split: str) -> str:
-    valid = [str(s) for s in SplitName]
-    if str(split) not in valid:
-        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(valid)}")
-    return str(split)

@@ -23,7 +23,17 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
-from turnrl.envs.base import Env, Message, SplitName, StepResult, StopReason, Task, TaskFileError
+from turnrl.envs.base import (
+    Env,
+    Message,
+    SplitName,
+    StepResult,
+    StopReason,
+    Task,
+    TaskFileError,
+    check_options,
+    check_split,
+)
 
 INSTRUCTION = (
     "Solve the problem step by step. On the last line, write the final answer as a "
@@ -112,7 +122,7 @@ class MathEnv(Env):
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
-        _check_options(self.name, options, self.OPTIONS)
+        check_options(self.name, options, self.OPTIONS)
         question = task.params.get("question")
         answer = task.params.get("answer")
         if not isinstance(question, str) or not question.strip():
@@ -156,8 +166,8 @@ class MathEnv(Env):
     @classmethod
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """GSM8K tasks for a split: from ``train_path``/``eval_path`` if set, else the hub."""
-        _check_options(cls.name, options, cls.OPTIONS)
-        split = _check_split(split)
+        check_options(cls.name, options, cls.OPTIONS)
+        split = check_split(split)
         path = options.get("train_path" if split == SplitName.TRAIN else "eval_path")
         return load_gsm8k(path, split, limit=options.get("limit"))
 
@@ -171,7 +181,7 @@ def load_gsm8k(path: str | Path | None, split: str, limit: int | None = None) ->
     is loaded with the ``datasets`` library. Task ids are stable:
     ``gsm8k-<split>-<row:06d>``, the 0-based row in the file/dataset.
     """
-    split = _check_split(split)
+    split = check_split(split)
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
         raise ValueError(f"limit must be a positive integer or None, got {limit!r}")
     if path is None:
@@ -249,19 +259,3 @@ def _hub_rows(split: str, limit: int | None) -> list[tuple[int, str, dict[str, A
         ) from exc
     n = len(data) if limit is None else min(limit, len(data))
     return [(i, f"{name}[{hub_split}][{i}]", dict(data[i])) for i in range(n)]
-
-
-def _check_options(env_name: str, options: dict[str, Any], allowed: frozenset[str]) -> None:
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(map(repr, unknown))} for environment {env_name!r}; "
-            f"allowed: {', '.join(sorted(allowed))}"
-        )
-
-
-def _check_split(split: str) -> str:
-    valid = [str(s) for s in SplitName]
-    if str(split) not in valid:
-        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(valid)}")
-    return str(split)

@@ -24,7 +24,16 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
-from turnrl.envs.base import Env, Message, SplitName, StepResult, StopReason, Task
+from turnrl.envs.base import (
+    Env,
+    Message,
+    SplitName,
+    StepResult,
+    StopReason,
+    Task,
+    check_options,
+    check_split,
+)
 
 LOW, HIGH = 1, 20
 DEFAULT_MAX_TURNS = 6
@@ -85,7 +94,7 @@ class NumberGuessEnv(Env):
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
-        _check_options(self.name, options, self.OPTIONS)
+        check_options(self.name, options, self.OPTIONS)
         target = task.params.get("target")
         if isinstance(target, bool) or not isinstance(target, int) or not LOW <= target <= HIGH:
             raise ValueError(
@@ -190,8 +199,8 @@ class NumberGuessEnv(Env):
     @classmethod
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """Train: odd targets 1..19; eval: even targets 2..20 (10 tasks each)."""
-        _check_options(cls.name, options, cls.OPTIONS)
-        split = _check_split(split)
+        check_options(cls.name, options, cls.OPTIONS)
+        split = check_split(split)
         start = 1 if split == SplitName.TRAIN else 2
         return [
             Task(
@@ -202,19 +211,3 @@ class NumberGuessEnv(Env):
             )
             for n in range(start, HIGH + 1, 2)
         ]
-
-
-def _check_options(env_name: str, options: dict[str, Any], allowed: frozenset[str]) -> None:
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(map(repr, unknown))} for environment {env_name!r}; "
-            f"allowed: {', '.join(sorted(allowed))}"
-        )
-
-
-def _check_split(split: str) -> str:
-    valid = [str(s) for s in SplitName]
-    if str(split) not in valid:
-        raise ValueError(f"unknown split {split!r}; expected one of {', '.join(valid)}")
-    return str(split)
