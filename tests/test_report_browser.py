@@ -7,7 +7,8 @@ Needs Playwright for Python and a Chromium binary; no browser is downloaded:
     apt-get install -y chromium     # Debian/Ubuntu; or point TURNRL_CHROMIUM at a binary
 
 Without them every test here is skipped with that hint. ``TURNRL_SAVE_SCREENSHOT=1`` saves a
-screenshot of an opened episode to ``docs/report_screenshot.png``.
+screenshot of an opened training episode of a real run to ``docs/report_screenshot.png``;
+``TURNRL_REPORT_RUN=runs/NAME`` uses that run directory instead of a fresh tiny-model run.
 """
 
 from __future__ import annotations
@@ -137,12 +138,47 @@ def test_report_loads_with_plots_and_coloured_tokens(browser, tmp_path):
         and detail.locator(".tok.act-untrained").count() > 0
     )
 
+    view.check_clean()
+
+
+def test_report_of_a_real_training_run(browser, tmp_path, tokenizer):
+    """A real (tiny-model, CPU) training run: report loads, plots show, an episode's tokens are coloured."""
+    from turnrl.config import load_config
+
+    existing = os.environ.get("TURNRL_REPORT_RUN")
+    if existing:
+        run = Path(existing)
+        from turnrl.models import load_tokenizer
+
+        tokenizer = load_tokenizer(load_config(run / "config.yaml").model.name)
+    else:
+        from test_train_e2e import tiny_config
+        from toy_envs import CountEnv
+
+        from turnrl.envs import register_env
+        from turnrl.train.loop import train
+
+        register_env("count", CountEnv)
+        cfg = tiny_config(tmp_path, tracking={"backends": ["csv"], "report": False})
+        train(cfg)
+        run = tmp_path / "runs" / "e2e"
+    view = Page(browser, write_report(run, tokenizer=tokenizer))
+    page = view.page
+    widths = page.eval_on_selector_all("#plots img", "els => els.map(e => e.complete ? e.naturalWidth : 0)")
+    assert len(widths) >= 4 and all(w > 0 for w in widths)
+    assert "success" in page.inner_text("#results").lower()
+    first = page.locator(".ep[data-episode-id]").first
+    episode_id = first.get_attribute("data-episode-id")
+    assert not episode_id.startswith("eval-")  # training episodes are listed first
+    first.click()
+    detail = page.locator("#detail")
+    assert detail.locator(".tok[data-adv]").count() > 0  # trained tokens, coloured by advantage
+    assert detail.locator(".tok.ctx").count() > 0  # prompt / environment tokens, untrained
     if os.environ.get("TURNRL_SAVE_SCREENSHOT") == "1":
-        page.click('.ep[data-episode-id="tree-s1-01"]')
         page.evaluate("document.getElementById('transcripts').scrollIntoView()")
         out = Path(__file__).resolve().parents[1] / "docs" / "report_screenshot.png"
         out.parent.mkdir(exist_ok=True)
-        page.screenshot(path=str(out))
+        page.screenshot(path=str(out), full_page=False)
     view.check_clean()
 
 
