@@ -154,7 +154,6 @@ def test_report_of_a_real_training_run(browser, tmp_path, tokenizer):
     else:
         from test_train_e2e import tiny_config
         from toy_envs import CountEnv
-
         from turnrl.envs import register_env
         from turnrl.train.loop import train
 

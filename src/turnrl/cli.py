@@ -144,3 +144,20 @@ def report(
 
 def main() -> None:  # pragma: no cover
     sys.exit(app())
+
+
+@app.command()
+def experiment(
+    spec: Annotated[Path, typer.Argument(help="Experiment spec YAML (see experiments/).")],
+    output_dir: Annotated[Path, typer.Option(help="Root of experiment directories: OUTPUT_DIR/<name>/<arm>/seed<k>.")] = Path("runs"),
+    set_: SetOpt = None,
+    fresh: Annotated[bool, typer.Option(help="Delete this experiment's existing runs and rerun every arm.")] = False,
+    dry_run: Annotated[bool, typer.Option(help="Validate the spec and show how the arms' configs differ; train nothing.")] = False,
+) -> None:
+    """Run an experiment: every arm × seed on the same data and budget, then a table, a plot and a verdict."""
+    try:
+        from turnrl.experiments import main as run_spec
+
+        run_spec(spec, output_root=output_dir, overrides=set_ or [], fresh=fresh, dry_run=dry_run, console=console)
+    except _user_errors() as exc:
+        _fail(exc)

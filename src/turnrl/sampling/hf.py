@@ -5,6 +5,12 @@ sampled ids with their log-probs under the sampling distribution (the
 processed scores: logits after temperature and top-p). Generation stops at the
 chat template's end-of-turn token.
 
+Shared prefixes: contexts of one call often share a long prefix (the system prompt,
+a few-shot game, a task's source code, a tree's first turn). With ``prefix_cache``
+the longest common prefix is run once and its key/value cache is repeated for the
+batch; each row's remaining tokens follow, left-padded after the prefix (the
+attention mask skips the padding, so positions stay those of the unpadded row).
+
 Staleness: with ``stale=True`` the sampler keeps its own snapshot of the
 trainable (LoRA) weights, taken at each :meth:`refresh`, and swaps it in while
 generating, so rollouts come from the policy of the last refresh
@@ -14,6 +20,7 @@ generating, so rollouts come from the policy of the last refresh
 from __future__ import annotations
 
 import torch
+import transformers
 
 from turnrl.envs.base import Message
 from turnrl.sampling.base import Sample, SamplingParams
@@ -28,11 +35,30 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+# transformers 5 renamed generate's ``past_key_values`` argument to ``cache``
+_CACHE_KWARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+
+
+def common_prefix_length(rows: list[list[int]]) -> int:
+    """Length of the longest prefix shared by every row."""
+    first, n = rows[0], min(len(r) for r in rows)
+    for k in range(n):
+        if any(r[k] != first[k] for r in rows):
+            return k
+    return n
+
+
 class HFSampler:
-    def __init__(self, model, tokenizer, batch_size: int = 32, stale: bool = False) -> None:
+    MIN_SHARED_PREFIX = 16
+    """Shorter common prefixes are not worth a separate forward pass."""
+
+    def __init__(
+        self, model, tokenizer, batch_size: int = 32, stale: bool = False, prefix_cache: bool = True
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
+        self.prefix_cache = prefix_cache
         self.stop_ids = end_of_turn_ids(tokenizer)
         self.policy_version = 0
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -81,12 +107,25 @@ class HFSampler:
     def _generate(self, contexts: list[list[int]], params: SamplingParams, seed: int) -> list[Sample]:
         device = next(self.model.parameters()).device
         pad = self.tokenizer.pad_token_id
-        width = max(len(c) for c in contexts)
+        shared = common_prefix_length(contexts) if self.prefix_cache and len(contexts) > 1 else 0
+        shared = min(shared, min(len(c) for c in contexts) - 1)  # every row keeps >= 1 token to feed
+        if shared < self.MIN_SHARED_PREFIX:
+            shared = 0
+        suffix_width = max(len(c) - shared for c in contexts)
+        width = shared + suffix_width
         input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
         attention = torch.zeros((len(contexts), width), dtype=torch.long)
-        for row, ctx in enumerate(contexts):  # left padding
-            input_ids[row, width - len(ctx) :] = torch.tensor(ctx)
-            attention[row, width - len(ctx) :] = 1
+        for row, ctx in enumerate(contexts):  # [shared prefix | left padding | rest of the row]
+            input_ids[row, :shared] = torch.tensor(ctx[:shared], dtype=torch.long)
+            attention[row, :shared] = 1
+            input_ids[row, width - (len(ctx) - shared) :] = torch.tensor(ctx[shared:], dtype=torch.long)
+            attention[row, width - (len(ctx) - shared) :] = 1
+        extra = {}
+        if shared:
+            prefix = self.model(input_ids=input_ids[:1, :shared].to(device), use_cache=True)
+            cache = getattr(prefix, "cache", None) or prefix.past_key_values
+            cache.batch_repeat_interleave(len(contexts))
+            extra[_CACHE_KWARG] = cache
         greedy = params.temperature == 0
         torch.manual_seed(seed)
         gen = self.model.generate(
@@ -101,6 +140,7 @@ class HFSampler:
             pad_token_id=pad,
             output_scores=True,
             return_dict_in_generate=True,
+            **extra,
         )
         new_tokens = gen.sequences[:, width:].cpu()
         # scores: one [B, V] tensor per generated position, after temperature/top-p processing

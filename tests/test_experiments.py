@@ -1,0 +1,381 @@
+"""The experiment runner: spec validation, shared seeds/data, verdict rules, outputs (fake runner, no model)."""
+
+import io
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from turnrl.config import RunConfig, dump_config
+from turnrl.experiments import (
+    CollapseCriterion,
+    ExperimentError,
+    MarginCriterion,
+    binomial_var,
+    combine,
+    config_diff,
+    evaluate_criterion,
+    load_spec,
+    parse_spec,
+    plan_runs,
+    run_experiment,
+)
+from turnrl.tracking.sinks import CsvSink
+
+REPO = Path(__file__).resolve().parents[1]
+
+BASE = {
+    "run_name": "base",
+    "model": {"name": "tiny"},
+    "env": {"name": "number_guess"},
+    "rollout": {"tasks_per_step": 2, "group_size": 4},
+    "train": {"steps": 4},
+    "tracking": {"backends": ["csv"], "plots": False, "report": False},
+}
+
+
+def _spec_dict(**extra):
+    spec = {
+        "title": "t",
+        "hypothesis": "h",
+        "base_config": "base.yaml",
+        "seeds": [0, 1],
+        "budget": {"steps": 4},
+        "evaluation": {"every": 2, "n": 100},
+        "arms": [
+            {"name": "a", "overrides": {"credit.estimator": "group_mean"}},
+            {"name": "b", "overrides": {"credit.estimator": "batch_mean", "loss.type": "cispo", "loss.eps_max": 3.0}},
+        ],
+    }
+    spec.update(extra)
+    return spec
+
+
+def _write_spec(tmp_path: Path, **extra) -> Path:
+    (tmp_path / "base.yaml").write_text(yaml.safe_dump(BASE))
+    path = tmp_path / "exp.yaml"
+    path.write_text(yaml.safe_dump(_spec_dict(**extra)))
+    return path
+
+
+def _error(data, source="spec.yaml") -> str:
+    with pytest.raises(ExperimentError) as info:
+        parse_spec(data, source)
+    return str(info.value)
+
+
+# ----------------------------------------------------------------------------- spec validation
+
+
+@pytest.mark.parametrize(
+    "change, needles",
+    [
+        ({"arms": [{"name": "a", "overides": {}}]}, ["arms[0].overides", "allowed keys here: name, overrides"]),
+        ({"title": None}, ["title"]),
+        ({"seeds": []}, ["seeds"]),
+        ({"seeds": [1, 1]}, ["seeds", "duplicate"]),
+        ({"evaluation": {"n": 0}}, ["evaluation.n"]),
+        ({"evaluation": {"evry": 2}}, ["evaluation.evry", "every"]),
+        ({"budget": {"steps": 0}}, ["budget.steps"]),
+        ({"arms": [{"name": "a/b"}]}, ["arms[0].name"]),
+        ({"arms": [{"name": "a"}, {"name": "a"}]}, ["arms", "duplicate", "'a'"]),
+        ({"arms": [{"name": "a", "overrides": {"train.steps": 9}}]}, ["arms[0]", "'train.steps'", "budget.steps"]),
+        ({"arms": [{"name": "a", "overrides": {"env.options.few_shot": True}}]}, ["arms[0]", "'env.options.few_shot'"]),
+        ({"overrides": {"seed": 3}}, ["overrides", "'seed'", "seeds"]),
+        ({"criterion": {"type": "margn", "treatment": "a", "baseline": "b"}}, ["criterion", "type: margin"]),
+        ({"criterion": {"type": "margin", "treatment": "a", "baseline": "zz"}}, ["criterion.baseline", "'zz'"]),
+        ({"criterion": {"type": "margin", "treatment": "a", "baseline": "b", "min_dif": 0.1}},
+         ["criterion.min_dif", "min_diff"]),
+        ({"criterion": {"any_of": [{"type": "collapse", "treatment": "a", "baseline": "b", "drop": -1}]}},
+         ["criterion.any_of[0].drop"]),
+        ({"criterion": {"type": "collapse", "treatment": "a", "baseline": "b", "metric": "accuracy"}},
+         ["criterion.metric", "success_rate"]),
+        ({"extra_key": 1}, ["extra_key", "allowed keys here", "hypothesis"]),
+    ],
+)
+def test_spec_errors_name_the_key(change, needles):
+    message = _error(_spec_dict(**change))
+    assert message.startswith("invalid experiment spec spec.yaml")
+    for needle in needles:
+        assert needle in message, (needle, message)
+
+
+def test_plan_errors_name_the_arm_seed_and_key(tmp_path):
+    bad_key = _write_spec(tmp_path, arms=[{"name": "a", "overrides": {"loss.typ": "cispo"}}])
+    with pytest.raises(ExperimentError, match=r"(?s)arm 'a', seed 0.*loss\.typ"):
+        plan_runs(load_spec(bad_key), tmp_path / "runs")
+    bad_value = _write_spec(tmp_path, arms=[{"name": "a", "overrides": {"loss.type": "nope"}}])
+    with pytest.raises(ExperimentError, match=r"(?s)arm 'a'.*loss\.type"):
+        plan_runs(load_spec(bad_value), tmp_path / "runs")
+    crit = {"type": "margin", "treatment": "a", "baseline": "b", "at_step": 3}
+    with pytest.raises(ExperimentError, match=r"criterion\.at_step: arm 'a' does not evaluate at step 3"):
+        plan_runs(load_spec(_write_spec(tmp_path, criterion=crit)), tmp_path / "runs")
+    crit["at_step"] = 8
+    with pytest.raises(ExperimentError, match=r"criterion\.at_step: 8 is beyond the budget"):
+        plan_runs(load_spec(_write_spec(tmp_path, criterion=crit)), tmp_path / "runs")
+    missing = _write_spec(tmp_path, base_config="nowhere.yaml")
+    with pytest.raises(ExperimentError, match=r"base_config: .*nowhere\.yaml does not exist"):
+        plan_runs(load_spec(missing), tmp_path / "runs")
+    with pytest.raises(ExperimentError, match="does not exist"):
+        load_spec(tmp_path / "missing.yaml")
+
+
+# ----------------------------------------------------------------------------- shared seeds, data, budget
+
+
+def test_arms_share_everything_but_their_overrides(tmp_path):
+    spec = load_spec(_write_spec(tmp_path, overrides={"train.lr": 0.001}))
+    runs = plan_runs(spec, tmp_path / "runs", ["sampler.max_tokens=12"])
+    assert [(r.arm, r.seed) for r in runs] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
+    for run in runs:
+        cfg = run.config
+        assert cfg.seed == run.seed and cfg.run_name == f"seed{run.seed}"
+        assert run.run_dir == tmp_path / "runs" / "exp" / run.arm / f"seed{run.seed}"
+        # common overrides, budget, --set and evaluation reach every arm
+        assert cfg.train.lr == 0.001 and cfg.sampler.max_tokens == 12 and cfg.train.steps == 4
+        assert (cfg.eval.every, cfg.eval.temperature, cfg.eval.before, cfg.data.num_eval_tasks) == (2, 0.0, True, 100)
+    for seed in (0, 1):
+        a, b = (r.config for r in runs if r.seed == seed)
+        assert config_diff(a, b) == {
+            "credit.estimator": ("group_mean", "batch_mean"),
+            "loss.type": ("clip", "cispo"),
+            "loss.eps_max": (5.0, 3.0),
+        }
+    # across seeds only the seed (and run name) differ
+    assert set(config_diff(runs[0].config, runs[2].config)) == {"seed", "run_name"}
+
+
+def test_arms_with_the_same_seed_see_the_same_task_stream(tmp_path):
+    from turnrl.train.loop import draw_tasks, load_tasks
+
+    runs = plan_runs(load_spec(_write_spec(tmp_path)), tmp_path / "runs")
+    a, b = (r.config for r in runs if r.seed == 0)
+    tasks_a, tasks_b = load_tasks(a, "train"), load_tasks(b, "train")
+    stream = [t.task_id for t in draw_tasks(tasks_a, a.seed, 0, 12)]
+    assert stream == [t.task_id for t in draw_tasks(tasks_b, b.seed, 0, 12)]
+    assert [t.task_id for t in load_tasks(a, "eval")] == [t.task_id for t in load_tasks(b, "eval")]
+
+
+# ----------------------------------------------------------------------------- statistics and verdicts
+
+
+def _margin(**kw) -> MarginCriterion:
+    return MarginCriterion(type="margin", treatment="t", baseline="b", **kw)
+
+
+def _collapse(**kw) -> CollapseCriterion:
+    return CollapseCriterion(type="collapse", treatment="t", baseline="b", **kw)
+
+
+def test_binomial_variance_is_agresti_caffo():
+    # 0/20: p~ = 1/22 → var = (1/22)(21/22)/22, not 0
+    assert binomial_var(0.0, 20) == pytest.approx((1 / 22) * (21 / 22) / 22)
+    assert binomial_var(0.5, 100) == pytest.approx(0.25 / 102)
+    assert binomial_var(0.3, 100) == pytest.approx((31 / 102) * (71 / 102) / 102)
+
+
+def test_combine_adds_seed_variance():
+    mean, se = combine([0.2], [0.004])
+    assert (mean, se) == (pytest.approx(0.2), pytest.approx(math.sqrt(0.004)))
+    mean, se = combine([0.1, 0.3], [0.001, 0.003])
+    # Σ var / m² = 0.004 / 4; sample var of (0.1, 0.3) = 0.02, / m = 0.01
+    assert mean == pytest.approx(0.2)
+    assert se == pytest.approx(math.sqrt(0.001 + 0.01))
+
+
+def test_margin_validated_failed_inconclusive():
+    def curves(t_final, b_final, n=100):
+        return {"t": {0: [(0, 0.2, n), (10, t_final, n)]}, "b": {0: [(0, 0.2, n), (10, b_final, n)]}}
+
+    r = evaluate_criterion(_margin(at_step=10, min_diff=0.04), curves(0.5, 0.3))
+    se = math.sqrt(0.25 / 102 + (31 / 102) * (71 / 102) / 102)  # ≈ 0.0673
+    assert r.verdict == "validated"
+    assert r.numbers["diff"] == pytest.approx(0.2) and r.numbers["se"] == pytest.approx(se)
+    assert r.numbers["excess"] == pytest.approx(0.16)  # 0.16 > 2·0.0673
+    assert evaluate_criterion(_margin(at_step=10, min_diff=0.04), curves(0.4, 0.3)).verdict == "inconclusive"
+    assert evaluate_criterion(_margin(at_step=10, min_diff=0.04), curves(0.2, 0.4)).verdict == "failed"
+    # "final" = each run's last evaluation
+    assert evaluate_criterion(_margin(at_step="final", min_diff=0.04), curves(0.5, 0.3)).verdict == "validated"
+    # 0/20 vs 0/20 is not evidence either way with 20 examples
+    assert evaluate_criterion(_margin(min_diff=0.04), curves(0.0, 0.0, n=20)).verdict == "inconclusive"
+
+
+def test_margin_pairs_seeds_and_counts_seed_noise():
+    n = 10_000  # binomial noise negligible: the seed spread decides
+    same = {"t": {0: [(5, 0.50, n)], 1: [(5, 0.52, n)]}, "b": {0: [(5, 0.40, n)], 1: [(5, 0.42, n)]}}
+    r = evaluate_criterion(_margin(at_step=5, min_diff=0.04), same)
+    assert r.verdict == "validated" and r.numbers["per_seed_diff"] == pytest.approx([0.1, 0.1])
+    spread = {"t": {0: [(5, 0.50, n)], 1: [(5, 0.62, n)]}, "b": {0: [(5, 0.50, n)], 1: [(5, 0.42, n)]}}
+    r = evaluate_criterion(_margin(at_step=5, min_diff=0.04), spread)
+    assert r.numbers["diff"] == pytest.approx(0.1)
+    assert r.numbers["se"] > 0.1 and r.verdict == "inconclusive"  # diffs 0.0 and 0.2: sd 0.14 / √2
+
+
+def test_margin_at_a_step_a_run_never_reached_is_inconclusive():
+    curves = {"t": {0: [(0, 0.2, 100), (6, 0.9, 100)]}, "b": {0: [(0, 0.2, 100), (10, 0.1, 100)]}}
+    r = evaluate_criterion(_margin(at_step=10, min_diff=0.04), curves)
+    assert r.verdict == "inconclusive" and "stopped at step 6" in r.text
+
+
+def test_collapse_validated_failed_inconclusive():
+    n = 500
+    collapsing = [(0, 0.3, n), (10, 0.6, n), (20, 0.2, n)]  # drop 0.40
+    steady = [(0, 0.3, n), (10, 0.5, n), (20, 0.55, n)]  # peak at the end: drop 0
+    r = evaluate_criterion(_collapse(drop=0.1), {"t": {0: steady}, "b": {0: collapsing}})
+    assert r.verdict == "validated"
+    b = r.numbers["arms"]["b"]
+    assert b["drop"] == pytest.approx(0.4) and b["status"] == "collapsed"
+    assert b["se"] == pytest.approx(math.sqrt(binomial_var(0.6, n) + binomial_var(0.2, n)))
+    assert b["peak_final_steps"] == [(10, 20)]
+    assert r.numbers["arms"]["t"]["status"] == "stable"
+    # baseline stable → failed; treatment collapsed too → failed
+    assert evaluate_criterion(_collapse(drop=0.1), {"t": {0: steady}, "b": {0: steady}}).verdict == "failed"
+    assert evaluate_criterion(_collapse(drop=0.1), {"t": {0: collapsing}, "b": {0: collapsing}}).verdict == "failed"
+    # a 12-point drop on 50 examples is within noise of the 10-point threshold
+    small = [(0, 0.3, 50), (10, 0.42, 50), (20, 0.30, 50)]
+    r = evaluate_criterion(_collapse(drop=0.1), {"t": {0: steady}, "b": {0: small}})
+    assert r.numbers["arms"]["b"]["status"] == "uncertain" and r.verdict == "inconclusive"
+
+
+def test_any_of_and_all_of():
+    n = 500
+    collapsing = [(0, 0.3, n), (10, 0.6, n), (20, 0.2, n)]
+    steady = [(0, 0.3, n), (10, 0.3, n), (20, 0.3, n)]
+    curves = {"t": {0: steady}, "b": {0: collapsing}}
+    margin = {"type": "margin", "treatment": "t", "baseline": "b", "min_diff": 0.04}
+    collapse = {"type": "collapse", "treatment": "t", "baseline": "b", "drop": 0.1}
+    spec = parse_spec(_spec_dict(arms=[{"name": "t"}, {"name": "b"}], criterion={"any_of": [margin, collapse]}))
+    r = evaluate_criterion(spec.criterion, curves)  # margin: 0.30 vs 0.20 → +10 ± 2.7: validated too
+    assert r.kind == "any_of" and r.verdict == "validated" and [p.kind for p in r.parts] == ["margin", "collapse"]
+
+    level = [(0, 0.3, 2000), (10, 0.3, 2000), (20, 0.3, 2000)]
+    flat = {"t": {0: level}, "b": {0: level}}  # margin: 0 − 4 points ± 1.5 → failed; collapse: stable → failed
+    assert evaluate_criterion(spec.criterion, flat).verdict == "failed"
+    noisy = {"t": {0: [(0, 0.3, 20), (20, 0.3, 20)]}, "b": {0: [(0, 0.3, 500), (20, 0.3, 500)]}}
+    assert evaluate_criterion(spec.criterion, noisy).verdict == "inconclusive"  # margin uncertain, collapse failed
+
+    both = parse_spec(_spec_dict(arms=[{"name": "t"}, {"name": "b"}], criterion={"all_of": [margin, collapse]}))
+    assert evaluate_criterion(both.criterion, curves).verdict == "validated"
+    assert evaluate_criterion(both.criterion, flat).verdict == "failed"
+
+
+# ----------------------------------------------------------------------------- the runner, with a fake trainer
+
+FINALS = {"a": [0.20, 0.40, 0.60], "b": [0.20, 0.25, 0.20]}
+
+
+def fake_runner(calls: list):
+    """Writes the progress files a real run would: eval rows at 0, every, final; train rewards per step."""
+
+    def run(cfg: RunConfig, console=None):
+        calls.append(cfg)
+        run_dir = Path(cfg.paths.output_dir) / cfg.run_name
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(dump_config(cfg))
+        arm = Path(cfg.paths.output_dir).name
+        sink = CsvSink(run_dir)
+        values = FINALS[arm]
+        for k, step in enumerate([0, 2, 4]):
+            label = "base" if step == 0 else "final" if step == 4 else "step"
+            sink.log_eval(step, {"iteration": 0, "label": label, "success_rate": values[k], "mean_reward": values[k],
+                                 "mean_turns": 1.0, "malformed_rate": 0.0, "num_tasks": cfg.data.num_eval_tasks})
+        for step in range(1, cfg.train.steps + 1):
+            sink.log_step(step, {"iteration": 0, "reward": 0.1 * step + 0.01 * cfg.seed, "loss": 0.0})
+        (run_dir / "progress" / "summary.json").write_text(json.dumps({"base": {}, "final": {}}))
+        return {}
+
+    return run
+
+
+def test_run_experiment_writes_table_plot_json_summary_and_result_line(tmp_path):
+    crit = {"any_of": [
+        {"type": "margin", "treatment": "a", "baseline": "b", "at_step": 4, "min_diff": 0.04},
+        {"type": "collapse", "treatment": "a", "baseline": "b", "drop": 0.1},
+    ]}
+    spec = load_spec(_write_spec(tmp_path, criterion=crit))
+    calls: list = []
+    out = io.StringIO()
+    result = run_experiment(spec, fake_runner(calls), output_root=tmp_path / "runs", out=out)
+
+    assert [(c.paths.output_dir, c.run_name) for c in calls] == [
+        (str(tmp_path / "runs" / "exp" / arm), f"seed{seed}") for seed in (0, 1) for arm in ("a", "b")
+    ]
+    lines = out.getvalue().strip().splitlines()
+    assert lines[-1].startswith("RESULT {")
+    payload = json.loads(lines[-1].removeprefix("RESULT "))
+    assert payload["verdict"] == "validated" and payload["experiment"] == "exp" and payload["metric"] == "success_rate"
+    assert set(payload["arms"]) == {"a", "b"}
+    a = payload["arms"]["a"]
+    assert a["seeds"] == [0, 1] and a["eval_n"] == 100 and a["train_steps"] == 4
+    assert (a["before"], a["after"], a["best"], a["best_step"]) == (pytest.approx(0.2), pytest.approx(0.6),
+                                                                     pytest.approx(0.6), 4)
+    assert a["delta"] == pytest.approx(0.4)
+    assert a["train_reward_first"] == pytest.approx(0.105) and a["train_reward_last"] == pytest.approx(0.405)
+    assert payload["arms"]["b"]["best"] == pytest.approx(0.25) and payload["arms"]["b"]["best_step"] == 2
+    assert [p["kind"] for p in payload["criterion"]["parts"]] == ["margin", "collapse"]
+    assert payload["criterion"]["parts"][0]["diff"] == pytest.approx(0.4)
+
+    exp_dir = tmp_path / "runs" / "exp"
+    assert result.directory == exp_dir and result.verdict == "validated"
+    saved = json.loads((exp_dir / "experiment.json").read_text())
+    assert saved["verdict"] == "validated" and len(saved["runs"]) == 4 and set(saved["configs"]) == {
+        "a/seed0", "b/seed0", "a/seed1", "b/seed1"}
+    assert saved["runs"][0]["train_reward"][0] == [1, pytest.approx(0.1)]
+    assert (exp_dir / "experiment.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    summary = (exp_dir / "summary.md").read_text()
+    assert "**Verdict: validated.**" in summary and "| a | 0,1 | 4 | 20.0% |" in summary
+    assert "![exp](experiment.png)" in summary
+
+
+def test_finished_runs_are_reused_and_a_changed_config_is_refused(tmp_path):
+    spec_path = _write_spec(tmp_path)
+    calls: list = []
+    run_experiment(load_spec(spec_path), fake_runner(calls), output_root=tmp_path / "runs", out=io.StringIO())
+    assert len(calls) == 4
+
+    def refuse(cfg, console=None):
+        raise AssertionError("a finished run was retrained")
+
+    out = io.StringIO()
+    result = run_experiment(load_spec(spec_path), refuse, output_root=tmp_path / "runs", out=out)
+    assert result.verdict is None and json.loads(out.getvalue().splitlines()[-1][7:])["verdict"] is None
+    assert all(r.reused for r in result.runs)
+
+    with pytest.raises(ExperimentError, match=r"different config \(in train\.lr\).*--fresh"):
+        run_experiment(load_spec(spec_path), refuse, output_root=tmp_path / "runs", overrides=["train.lr=0.5"],
+                       out=io.StringIO())
+    calls.clear()
+    run_experiment(load_spec(spec_path), fake_runner(calls), output_root=tmp_path / "runs",
+                   overrides=["train.lr=0.5"], fresh=True, out=io.StringIO())
+    assert len(calls) == 4 and all(c.train.lr == 0.5 for c in calls)
+
+
+def test_cli_dry_run_shows_the_arm_differences(tmp_path):
+    from typer.testing import CliRunner
+
+    from turnrl.cli import app
+
+    result = CliRunner().invoke(app, ["experiment", str(_write_spec(tmp_path)), "--dry-run",
+                                      "--output-dir", str(tmp_path / "runs")], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert "credit.estimator: 'batch_mean'" in result.output and "(reference)" in result.output
+    assert not (tmp_path / "runs").exists()
+    bad = CliRunner().invoke(app, ["experiment", str(tmp_path / "nope.yaml")])
+    assert bad.exit_code == 2 and "nope.yaml does not exist" in " ".join(bad.output.split())
+
+
+@pytest.mark.parametrize("name", ["gsm8k_baselines", "gsm8k_baselines_cpu", "centered_vs_is", "centered_vs_is_cpu"])
+def test_shipped_specs_resolve(name, tmp_path):
+    spec = load_spec(REPO / "experiments" / f"{name}.yaml")
+    runs = plan_runs(spec, tmp_path)
+    assert spec.experiment_name() == name and len(runs) == len(spec.arms) * len(spec.seeds)
+    for run in runs:
+        assert run.config.env.name == "math" and run.config.rollout.max_turns == 1
+        assert run.config.env.options["train_path"].endswith("gsm8k/train.jsonl")
+    if name.startswith("centered"):
+        assert {r.config.loss.type for r in runs} == {"centered", "importance_sampling"}
+        assert all(r.config.sampler.refresh_every == 4 for r in runs)
+    else:
+        assert {r.config.credit.estimator for r in runs} == {"group_mean", "batch_mean", "loo_similarity"}

@@ -1,0 +1,58 @@
+"""The transformers sampler: shared-prefix caching, log-probs, stop tokens, top-k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from turnrl.sampling.base import SamplingParams
+from turnrl.sampling.hf import HFSampler, common_prefix_length, end_of_turn_ids
+from turnrl.train.batch import Row, collate
+from turnrl.train.step import token_logprobs
+
+
+def _contexts(shared=40, tails=(3, 9, 1, 5)):
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(100, 4000, (shared,), generator=g).tolist()
+    return [prefix + torch.randint(100, 4000, (k,), generator=g).tolist() for k in tails]
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
+    assert common_prefix_length([[5], [6]]) == 0
+    assert common_prefix_length([[1, 2], [1, 2]]) == 2
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prefix_cache_changes_nothing(tiny_model, tokenizer, temperature):
+    params = SamplingParams(temperature=temperature, max_tokens=8, seed=3)
+    plain = HFSampler(tiny_model, tokenizer, prefix_cache=False).sample(_contexts(), params)
+    cached = HFSampler(tiny_model, tokenizer, prefix_cache=True).sample(_contexts(), params)
+    for a, b in zip(plain, cached, strict=True):
+        assert a.ids == b.ids and a.finish_reason == b.finish_reason
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+
+
+def test_sampler_logprobs_equal_the_trainers(tiny_model, tokenizer):
+    contexts = _contexts()
+    samples = HFSampler(tiny_model, tokenizer).sample(contexts, SamplingParams(temperature=1.0, max_tokens=6, seed=1))
+    rows = [Row(c + s.ids, [0] * len(c) + [1] * len(s.ids), [1.0] * (len(c) + len(s.ids)),
+                [0.0] * len(c) + s.logprobs, 0, str(k)) for k, (c, s) in enumerate(zip(contexts, samples, strict=True))]
+    batch = collate(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        logp, _ = token_logprobs(tiny_model, batch)
+    mask = batch.loss_mask > 0
+    assert torch.allclose(logp[mask], batch.behavior_logprobs[mask], atol=1e-4)
+
+
+def test_stop_token_ends_the_sample_and_topk_is_returned(tiny_model, tokenizer):
+    samples = HFSampler(tiny_model, tokenizer).sample(
+        _contexts(), SamplingParams(temperature=1.0, max_tokens=5, top_k_logprobs=4, seed=2)
+    )
+    stops = end_of_turn_ids(tokenizer)
+    for s in samples:
+        assert len(s.ids) <= 5 and all(lp <= 0 for lp in s.logprobs)
+        assert (s.finish_reason == "stop") == (s.ids[-1] in stops)
+        assert not any(t in stops for t in s.ids[:-1])
+        assert len(s.topk_ids) == len(s.ids) and all(len(r) == 4 for r in s.topk_ids)
+        assert all(r[0] >= r[-1] for r in s.topk_logprobs)
