@@ -127,7 +127,7 @@ def test_plan_errors_name_the_arm_seed_and_key(tmp_path):
 
 def test_arms_share_everything_but_their_overrides(tmp_path):
     spec = load_spec(_write_spec(tmp_path, overrides={"train.lr": 0.001}))
-    runs = plan_runs(spec, tmp_path / "runs", ["sampler.max_tokens=12"])
+    runs = plan_runs(spec, tmp_path / "runs", ["sampler.max_tokens=12", "eval.every=1"])
     assert [(r.arm, r.seed) for r in runs] == [("a", 0), ("b", 0), ("a", 1), ("b", 1)]
     for run in runs:
         cfg = run.config
@@ -135,7 +135,8 @@ def test_arms_share_everything_but_their_overrides(tmp_path):
         assert run.run_dir == tmp_path / "runs" / "exp" / run.arm / f"seed{run.seed}"
         # common overrides, budget, --set and evaluation reach every arm
         assert cfg.train.lr == 0.001 and cfg.sampler.max_tokens == 12 and cfg.train.steps == 4
-        assert (cfg.eval.every, cfg.eval.temperature, cfg.eval.before, cfg.data.num_eval_tasks) == (2, 0.0, True, 100)
+        assert (cfg.eval.temperature, cfg.eval.before, cfg.data.num_eval_tasks) == (0.0, True, 100)
+        assert cfg.eval.every == 1  # --set wins over the spec's common values
     for seed in (0, 1):
         a, b = (r.config for r in runs if r.seed == seed)
         assert config_diff(a, b) == {

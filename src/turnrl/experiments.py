@@ -22,8 +22,8 @@ An experiment spec (YAML, validated strictly; see ``experiments/*.yaml``)::
 
 Every arm × seed is one ordinary training run (``turnrl.train.loop.train``) in
 ``<output root>/<name>/<arm>/seed<k>``. The run's config is the base config,
-then ``overrides``, then ``budget`` and ``evaluation``, then the arm's
-overrides, then ``seed: k``. Arms may not override what all arms must share
+then ``overrides``, then ``budget`` and ``evaluation``, then ``--set`` values,
+then the arm's overrides, then ``seed: k``. Arms may not override what all arms must share
 (seed, data, environment, evaluation, budget, paths): the training stream is a
 seeded permutation of the same tasks (see ``turnrl.train.loop.draw_tasks``), so
 arms with the same seed see the same tasks in the same order, start from the
@@ -79,10 +79,8 @@ import copy
 import io
 import json
 import math
-import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,7 +102,7 @@ from rich.console import Console
 from rich.table import Table
 
 from turnrl.config import ConfigError, RunConfig, apply_overrides, dump_config, parse_config
-from turnrl.rollout.records import atomic_write_text
+from turnrl.rollout.records import atomic_write_bytes, atomic_write_text
 from turnrl.tracking.sinks import EVAL_CSV, TRAIN_CSV, read_csv
 
 Verdict = Literal["validated", "failed", "inconclusive"]
@@ -446,16 +444,12 @@ def plan_runs(
     """Every arm × seed as a validated :class:`RunConfig`, seed-major (all arms of seed 0 first).
 
     ``extra_overrides`` (``key=value`` strings, e.g. from ``--set``) apply to every arm after
-    the spec's overrides. Raises :class:`ExperimentError` naming the arm, seed and key.
+    the spec's overrides, budget and evaluation, before the arm's overrides. Raises :class:`ExperimentError` naming the arm, seed and key.
     """
     name = spec.experiment_name()
     common = _base_data(spec)
     for key, value in spec.overrides.items():
         _set_dotted(common, key, value, "overrides")
-    try:
-        apply_overrides(common, list(extra_overrides))
-    except ConfigError as exc:
-        raise ExperimentError(str(exc)) from None
     if spec.budget.steps is not None:
         _set_dotted(common, "train.steps", spec.budget.steps, "budget")
     if spec.budget.max_seconds is not None:
@@ -467,6 +461,10 @@ def plan_runs(
         _set_dotted(common, "eval.temperature", 0.0, "evaluation")
     if ev.n is not None:
         _set_dotted(common, "data.num_eval_tasks", ev.n, "evaluation")
+    try:  # --set last among the common values: a quick `--set train.steps=1` shrinks every arm alike
+        apply_overrides(common, list(extra_overrides))
+    except ConfigError as exc:
+        raise ExperimentError(str(exc)) from None
 
     runs = []
     for seed in spec.seeds:
@@ -944,19 +942,7 @@ def plot_experiment(results: Sequence[RunResult], metric: str, path: Path, title
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(buf.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, buf.getvalue())
     return path
 
 

@@ -171,7 +171,7 @@ def read_jsonl(path: str | Path) -> list[Episode]:
     return out
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
+def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write a file so that a kill leaves either the old or the new content, never half."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -180,8 +180,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
-        with os.fdopen(fd, "w") as fh:
-            fh.write(text)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -189,3 +189,8 @@ def atomic_write_text(path: str | Path, text: str) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """:func:`atomic_write_bytes` for text (UTF-8)."""
+    atomic_write_bytes(path, text.encode("utf-8"))

@@ -22,9 +22,7 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
 import re
-import tempfile
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -36,6 +34,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
+from turnrl.rollout.records import atomic_write_bytes
 from turnrl.tracking.sinks import EVAL_CSV, TRAIN_CSV, read_csv
 
 PLOTS_DIR = "plots"
@@ -439,15 +438,7 @@ PLOT_NAMES = [name for name, _ in _PLOTS]
 def _save_png(fig: Figure, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=_DPI)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(buf.getvalue())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    atomic_write_bytes(path, buf.getvalue())
 
 
 def make_plots(run_dir: str | Path) -> list[Path]:
