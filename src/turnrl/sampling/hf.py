@@ -74,11 +74,14 @@ class HFSampler:
         if self._snapshot is not None:
             self._snapshot = self._trainable_state()
 
-    def set_model(self, model) -> None:
-        """Point the sampler at a new model (outer iterations build a fresh adapter)."""
-        self.model = model
-        if self._snapshot is not None:
-            self._snapshot = self._trainable_state()
+    def state_dict(self) -> dict:
+        """What a checkpoint needs to restore this sampler: its version and stale snapshot."""
+        return {"policy_version": self.policy_version, "snapshot": self._snapshot}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.policy_version = state["policy_version"]
+        if self._snapshot is not None and state["snapshot"] is not None:
+            self._snapshot = state["snapshot"]
 
     @torch.no_grad()
     def sample(

@@ -131,7 +131,7 @@ def save_checkpoint(
         "summary": summary,
         "adapter": get_peft_model_state_dict(model),
         "optimizer": optimizer.state_dict(),
-        "sampler_snapshot": sampler._snapshot,
+        "sampler": sampler.state_dict(),
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
         "rows": _row_counts(run_dir),
     }
@@ -354,8 +354,8 @@ def train(
             stale = cfg.sampler.refresh_every > 1
             sampler = HFSampler(model, tokenizer, batch_size=cfg.sampler.batch_size, stale=stale)
             sampler.policy_version = state.sampler_version
-            if ckpt and stale and ckpt["sampler_snapshot"] is not None and state.iteration_step > 0:
-                sampler._snapshot = ckpt["sampler_snapshot"]
+            if ckpt and state.iteration_step > 0:  # mid-iteration: the stale snapshot too
+                sampler.load_state_dict(ckpt["sampler"])
             ckpt = None
             eval_sampler = HFSampler(model, tokenizer, batch_size=cfg.sampler.batch_size)
             chat = ChatTokens(tokenizer, cfg.model.chat_template_kwargs, strip_think if cfg.credit.exclude_think else None)
