@@ -115,3 +115,24 @@ def test_decomposition_rejects_inexact_settings(override, needle):
     with pytest.raises(ConfigError) as err:
         parse_config(data)
     assert needle in str(err.value) and "additive over turns" in str(err.value)
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_optimizer_step_moves_logprob_with_the_advantage_sign(tiny_model, sign):
+    from turnrl.train.batch import Row
+    from turnrl.train.step import optimizer_step
+
+    model = attach_lora(tiny_model, LoraConfig(r=4, alpha=8))
+    ids = list(range(100, 120))
+    rows = [Row(ids, [0] * 10 + [1] * 10, [sign] * 20, [0.0] * 10 + [-5.0] * 10, 0, "e")]
+    batch = collate(rows, pad_id=2)
+    with torch.no_grad():
+        before = float(token_logprobs(model, batch)[0].sum())
+    cfg = parse_config({"train": {"lr": 1e-2}})
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    for _ in range(3):
+        metrics = optimizer_step(model, optimizer, rows, cfg, pad_id=2)
+    with torch.no_grad():
+        after = float(token_logprobs(model, batch)[0].sum())
+    assert (after - before) * sign > 0.5
+    assert metrics["num_tokens"] == 10 and metrics["grad_norm"] > 0
