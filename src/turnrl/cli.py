@@ -21,6 +21,22 @@ ConfigArg = Annotated[Path, typer.Argument(help="YAML run config (see configs/).
 SetOpt = Annotated[list[str] | None, typer.Option("--set", help="Override a config key: --set train.steps=5 (repeatable).")]
 
 
+def _quiet_libraries() -> None:
+    """Keep library chatter (weight-loading bars, deprecation notes of transformers internals) off the console."""
+    import warnings
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=r"`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+
+
+@app.callback()
+def _main() -> None:
+    _quiet_libraries()
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     from turnrl.config import ConfigError
     from turnrl.envs.base import TaskFileError
