@@ -114,3 +114,20 @@ def test_branched_run_trains_first_turn_once(tmp_path):
     first_turn_trained = [e.branch for e in episodes if e.turns[0].advantage is not None]
     assert sorted(first_turn_trained) == [[0, 0], [1, 0]]
     assert torch.isfinite(torch.tensor([t.advantage for e in episodes for t in e.turns[1:]])).all()
+
+
+def test_sync_to_copies_the_run_and_resume_pulls_it_back(tmp_path):
+    import shutil
+
+    remote = tmp_path / "remote"
+    cfg = tiny_config(tmp_path, train={"steps": 1}, eval={"before": False, "every": 0},
+                      paths={"output_dir": str(tmp_path / "runs"), "sync_to": f"file://{remote}"},
+                      tracking={"backends": ["csv"], "plots": False, "report": False})
+    train(cfg)
+    run = tmp_path / "runs" / "e2e"
+    for rel in ["config.yaml", "progress/train.csv", "adapters/iter_000/adapter_model.safetensors", "checkpoint/state.pt"]:
+        assert (remote / "e2e" / rel).read_bytes() == (run / rel).read_bytes(), rel
+    shutil.rmtree(run)  # a new machine: only the remote copy is left
+    summary = train(cfg, resume=True)
+    assert (run / "checkpoint/state.pt").exists() and "final" in summary
+    assert [r["step"] for r in read_csv(run / "progress/train.csv")] == [1]

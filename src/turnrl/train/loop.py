@@ -310,6 +310,8 @@ def train(
     steps_per_iter = cfg.loop.steps_per_iteration or cfg.train.steps
     ckpt = None
     if resume:
+        if pull_run(cfg, run_dir):
+            console.print(f"pulled {run_dir} from {cfg.paths.sync_to}")
         if not (run_dir / "config.yaml").exists():
             raise ResumeError(f"nothing to resume: {run_dir}/config.yaml does not exist")
         check_resume_config(run_dir, cfg, allow_config_change)
@@ -411,13 +413,37 @@ def train(
     return summary
 
 
-def _sync(cfg: RunConfig, run_dir: Path) -> None:
-    """Copy the run directory to ``paths.sync_to`` (any fsspec URL)."""
-    if not cfg.paths.sync_to:
-        return
+def _remote(cfg: RunConfig, run_dir: Path):
+    """The fsspec filesystem and the remote copy's path for ``paths.sync_to``."""
     try:
         import fsspec
     except ImportError as exc:
         raise ImportError("paths.sync_to needs fsspec: pip install 'turnrl[sync]'") from exc
     fs, root = fsspec.core.url_to_fs(cfg.paths.sync_to)
-    fs.put(str(run_dir), f"{root.rstrip('/')}/{run_dir.name}", recursive=True)
+    return fs, f"{root.rstrip('/')}/{run_dir.name}"
+
+
+def _sync(cfg: RunConfig, run_dir: Path) -> None:
+    """Copy the run directory to ``paths.sync_to`` (any fsspec URL), file by file."""
+    if not cfg.paths.sync_to:
+        return
+    fs, remote = _remote(cfg, run_dir)
+    for path in sorted(p for p in run_dir.rglob("*") if p.is_file() and not p.name.startswith(".")):
+        target = f"{remote}/{path.relative_to(run_dir).as_posix()}"
+        fs.makedirs(target.rsplit("/", 1)[0], exist_ok=True)
+        fs.put_file(str(path), target)
+
+
+def pull_run(cfg: RunConfig, run_dir: Path) -> bool:
+    """Fetch a run directory back from ``paths.sync_to`` when it is missing here (resume elsewhere)."""
+    if not cfg.paths.sync_to or (run_dir / "config.yaml").exists():
+        return False
+    fs, remote = _remote(cfg, run_dir)
+    if not fs.exists(f"{remote}/config.yaml"):
+        return False
+    for path in fs.find(remote):
+        rel = path[len(remote.rstrip("/")) :].lstrip("/")
+        local = run_dir / rel
+        local.parent.mkdir(parents=True, exist_ok=True)
+        fs.get_file(path, str(local))
+    return True
