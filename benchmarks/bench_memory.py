@@ -25,6 +25,7 @@ import sys
 import time
 
 VARIANTS = [("single", "full"), ("decomposed", "full"), ("single", "chunked"), ("decomposed", "chunked")]
+CHECKPOINTING = (False, True)
 
 
 def _status_kib(field: str) -> int:
@@ -41,18 +42,21 @@ def _reset_peak() -> None:
         fh.write("5")
 
 
-def run_variant(mode: str, logprobs: str, batch: int, prompt: int, action: int) -> dict:
+def run_variant(mode: str, logprobs: str, gc: bool, batch: int, prompt: int, action: int) -> dict:
     import torch
     import torch.nn.functional as F
 
     from turnrl.config import ModelConfig, parse_config
-    from turnrl.models import attach_lora, load_model
+    from turnrl.models import attach_lora, enable_gradient_checkpointing, load_model
     from turnrl.rollout.records import Episode, Turn
     from turnrl.train import step as step_mod
     from turnrl.train.batch import build_rows
 
     torch.manual_seed(0)
     model, _ = load_model(ModelConfig(name="embedded"))
+    if gc:
+        enable_gradient_checkpointing(model)
+    model.train()
     model = attach_lora(model, parse_config({}).model.lora)
     g = torch.Generator().manual_seed(0)
     episodes, advantages = [], {}
@@ -91,28 +95,29 @@ def run_variant(mode: str, logprobs: str, batch: int, prompt: int, action: int) 
 
 
 def main(batch: int = 8, prompt: int = 256, action: int = 192) -> None:
-    results = {}
-    for mode, logprobs in VARIANTS:
-        out = subprocess.run(
-            [sys.executable, __file__, "--variant", mode, logprobs, str(batch), str(prompt), str(action)],
-            capture_output=True, text=True, check=True,
-        )
-        res = json.loads(out.stdout.strip().splitlines()[-1])
-        results[(mode, logprobs)] = res
-        print(f"{mode:>10} + {logprobs:<7} log-probs: peak +{res['peak_above_start_mib']:8.1f} MiB "
-              f"({res['seconds']:.1f} s, {res['rows']} rows, {res['trained_tokens']} trained tokens)")
-    peak = {k: v["peak_above_start_mib"] for k, v in results.items()}
-    print(f"\nbatch: {batch} episodes x (prompt {prompt} + action {action} + env 32 + action {action}) tokens")
-    print(f"decomposed / single, full log-probs:    {peak[('decomposed', 'full')] / peak[('single', 'full')]:.2f}")
-    print(f"decomposed / single, chunked log-probs: {peak[('decomposed', 'chunked')] / peak[('single', 'chunked')]:.2f}")
-    print(f"chunked / full, single pass:            {peak[('single', 'chunked')] / peak[('single', 'full')]:.2f}")
-    print(f"chunked / full, decomposed:             {peak[('decomposed', 'chunked')] / peak[('decomposed', 'full')]:.2f}")
-    print(f"decomposed+chunked / single+full:       {peak[('decomposed', 'chunked')] / peak[('single', 'full')]:.2f}")
+    print(f"batch: {batch} episodes x (prompt {prompt} + action {action} + env 32 + action {action}) tokens")
+    for gc in CHECKPOINTING:
+        peak = {}
+        print(f"\n-- gradient checkpointing {'on' if gc else 'off'}")
+        for mode, logprobs in VARIANTS:
+            out = subprocess.run(
+                [sys.executable, __file__, "--variant", mode, logprobs, str(int(gc)), str(batch), str(prompt), str(action)],
+                capture_output=True, text=True, check=True,
+            )
+            res = json.loads(out.stdout.strip().splitlines()[-1])
+            peak[(mode, logprobs)] = res["peak_above_start_mib"]
+            print(f"{mode:>10} + {logprobs:<7} log-probs: peak +{res['peak_above_start_mib']:8.1f} MiB "
+                  f"({res['seconds']:.1f} s, {res['rows']} rows, {res['trained_tokens']} trained tokens)")
+        print(f"decomposed / single, full log-probs:    {peak[('decomposed', 'full')] / peak[('single', 'full')]:.2f}")
+        print(f"decomposed / single, chunked log-probs: {peak[('decomposed', 'chunked')] / peak[('single', 'chunked')]:.2f}")
+        print(f"chunked / full, single pass:            {peak[('single', 'chunked')] / peak[('single', 'full')]:.2f}")
+        print(f"chunked / full, decomposed:             {peak[('decomposed', 'chunked')] / peak[('decomposed', 'full')]:.2f}")
+        print(f"decomposed+chunked / single+full:       {peak[('decomposed', 'chunked')] / peak[('single', 'full')]:.2f}")
 
 
 if __name__ == "__main__":
     if len(sys.argv) > 1 and sys.argv[1] == "--variant":
-        mode, logprobs, b, p, a = sys.argv[2:7]
-        print(json.dumps(run_variant(mode, logprobs, int(b), int(p), int(a))))
+        mode, logprobs, gc, b, p, a = sys.argv[2:8]
+        print(json.dumps(run_variant(mode, logprobs, gc == "1", int(b), int(p), int(a))))
     else:
         main()

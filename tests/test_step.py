@@ -136,3 +136,28 @@ def test_optimizer_step_moves_logprob_with_the_advantage_sign(tiny_model, sign):
         after = float(token_logprobs(model, batch)[0].sum())
     assert (after - before) * sign > 0.5
     assert metrics["num_tokens"] == 10 and metrics["grad_norm"] > 0
+
+
+def test_gradient_checkpointing_gives_the_same_gradient(tokenizer):
+    from turnrl.config import ModelConfig
+    from turnrl.models import enable_gradient_checkpointing, load_model
+
+    episodes = [_episode(f"e{k}", k) for k in range(2)]
+    advantages = {"e0": [0.5, -0.3], "e1": [-0.2, 0.4]}
+    cfg = parse_config({"train": {"decompose_turns": True}})
+    rows = build_rows(episodes, advantages, per_turn=True)
+    grads = []
+    for gc in (False, True):
+        base = load_model(ModelConfig(name="tiny"))[0]
+        if gc:
+            enable_gradient_checkpointing(base)
+        base.train()
+        model = attach_lora(base, LoraConfig(r=4, alpha=8))
+        for n, p in model.named_parameters():
+            if p.requires_grad:
+                torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(n)))
+        accumulate_gradients(model, rows, cfg, pad_id=2)
+        grads.append(_grads(model))
+    scale = max(float(g.abs().max()) for g in grads[0].values())
+    for name, g in grads[0].items():
+        assert float((grads[1][name] - g).abs().max()) / scale <= 1e-5, name

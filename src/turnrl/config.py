@@ -136,6 +136,8 @@ class TrainConfig(_Section):
     """Optimizer passes over each batch of rollouts (PPO epochs)."""
     decompose_turns: bool = False
     """One forward/backward per turn group (requires token_sum, beta 0, num_iterations 1)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in backward (less memory, ~30% more compute)."""
     logprob_chunk: int = Field(256, ge=1)
     """Positions per chunk when computing log-probs from hidden states."""
     checkpoint_every: int = Field(1, ge=1)

@@ -168,6 +168,12 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[Any, Any]:
     return model.to(resolve_device(cfg.device)), tokenizer
 
 
+def enable_gradient_checkpointing(model) -> None:
+    """Recompute layer activations in backward; inputs need grads so a frozen base still backpropagates."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+
+
 def attach_lora(model, cfg: LoraConfig, adapter_name: str = "default") -> PeftModel:
     """Wrap a base model with a fresh LoRA adapter; the base weights are frozen."""
     peft_cfg = PeftLoraConfig(

@@ -31,7 +31,13 @@ from turnrl.config import RunConfig, dump_config
 from turnrl.credit import assign_credit, filter_zero_variance, strip_think
 from turnrl.envs import Task, get_env_class, load_task_file
 from turnrl.eval import comparison_table, evaluate
-from turnrl.models import attach_lora, load_model, merge_adapters, save_adapter
+from turnrl.models import (
+    attach_lora,
+    enable_gradient_checkpointing,
+    load_model,
+    merge_adapters,
+    save_adapter,
+)
 from turnrl.rollout.collect import ChatTokens, collect
 from turnrl.rollout.records import Episode, atomic_write_text, write_jsonl
 from turnrl.sampling.base import SamplingParams
@@ -185,8 +191,11 @@ def build_policy(cfg: RunConfig, run_dir: Path, iteration: int):
         if missing:
             raise ResumeError(f"cannot build iteration {iteration}: missing adapters {', '.join(map(str, missing))}")
         base = merge_adapters(base, [adapter_dir(run_dir, i) for i in range(iteration)])
+    if cfg.train.gradient_checkpointing:
+        enable_gradient_checkpointing(base)
     torch.manual_seed(step_seed(cfg.seed, 0, salt=iteration))
     model = attach_lora(base, cfg.model.lora)
+    model.train()  # from_pretrained returns eval mode; gradient checkpointing acts in train mode only
     return model, tokenizer
 
 
