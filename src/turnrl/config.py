@@ -285,10 +285,10 @@ def parse_config(data: dict[str, Any], source: str = "") -> RunConfig:
         raise ConfigError(_format_errors(exc, source)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
-    """Read a YAML config, apply overrides, validate."""
+def read_config_data(path: str | Path) -> dict[str, Any]:
+    """The raw mapping of a YAML config file (not validated yet)."""
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
         data = yaml.safe_load(path.read_text()) or {}
@@ -296,7 +296,12 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConf
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return parse_config(apply_overrides(data, overrides or []), str(path))
+    return data
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
+    """Read a YAML config, apply overrides, validate."""
+    return parse_config(apply_overrides(read_config_data(path), overrides or []), str(path))
 
 
 def dump_config(config: RunConfig) -> str:

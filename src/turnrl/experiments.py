@@ -101,7 +101,14 @@ from pydantic import (
 from rich.console import Console
 from rich.table import Table
 
-from turnrl.config import ConfigError, RunConfig, apply_overrides, dump_config, parse_config
+from turnrl.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    dump_config,
+    parse_config,
+    read_config_data,
+)
 from turnrl.rollout.records import atomic_write_bytes, atomic_write_text
 from turnrl.tracking.sinks import EVAL_CSV, TRAIN_CSV, read_csv
 
@@ -430,12 +437,9 @@ def _base_data(spec: ExperimentSpec) -> dict[str, Any]:
             f"base_config: {path} does not exist (the path is relative to the spec file {spec.source})"
         )
     try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as exc:
-        raise ExperimentError(f"base_config {path}: not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ExperimentError(f"base_config {path}: the top level must be a mapping of sections")
-    return data
+        return read_config_data(path)
+    except ConfigError as exc:
+        raise ExperimentError(f"base_config: {exc}") from None
 
 
 def plan_runs(
