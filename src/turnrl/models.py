@@ -170,8 +170,10 @@ def load_model(cfg: ModelConfig, seed: int = 0) -> tuple[Any, Any]:
 
 def enable_gradient_checkpointing(model) -> None:
     """Recompute layer activations in backward; inputs need grads so a frozen base still backpropagates."""
-    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-    enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5 name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
 
 
