@@ -13,13 +13,17 @@ reply, action 2) on the embedded model with a LoRA adapter. Variants:
 
 Each variant runs in its own subprocess; we report the peak resident memory above
 the memory held just before the step (model, adapter, batch loaded; the kernel's
-peak counter is reset there), and the ratios between variants. Linux, CPU; run with
+peak counter is reset there), and the ratios between variants. The subprocesses run
+with ``MALLOC_MMAP_THRESHOLD_=65536`` so glibc returns every freed tensor buffer to
+the system: otherwise its adaptive threshold keeps freed buffers of one pass in the
+heap and the peak resident size over-counts passes that run one after another. Linux, CPU; run with
 ``python benchmarks/bench_memory.py``.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -102,7 +106,7 @@ def main(batch: int = 8, prompt: int = 256, action: int = 192) -> None:
         for mode, logprobs in VARIANTS:
             out = subprocess.run(
                 [sys.executable, __file__, "--variant", mode, logprobs, str(int(gc)), str(batch), str(prompt), str(action)],
-                capture_output=True, text=True, check=True,
+                capture_output=True, text=True, check=True, env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"},
             )
             res = json.loads(out.stdout.strip().splitlines()[-1])
             peak[(mode, logprobs)] = res["peak_above_start_mib"]
