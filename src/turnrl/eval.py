@@ -69,9 +69,10 @@ def run_eval(
 ) -> dict[str, float]:
     """Standalone evaluation: base model, one adapter, the merged model of an iteration, or a scripted policy."""
     import csv
+    import sys
     from pathlib import Path
 
-    from turnrl.envs import get_env_class, load_task_file
+    from turnrl.envs import get_env_class, tasks_from_file
     from turnrl.models import load_adapter, load_model, load_tokenizer, merge_adapters
     from turnrl.sampling.hf import HFSampler
     from turnrl.sampling.scripted import ScriptedSampler
@@ -80,14 +81,13 @@ def run_eval(
         cfg.rollout.max_turns = max_turns
     env_cls = get_env_class(cfg.env.name)
     if tasks is not None:
-        loader = getattr(env_cls, "load_tasks", None)
-        task_list = loader(tasks, "eval") if loader else load_task_file(tasks, "eval")
+        task_list = tasks_from_file(cfg.env.name, tasks, "eval")
     else:
         from turnrl.train.loop import load_tasks
 
         task_list = load_tasks(cfg, "eval")
     if scripted:
-        policies = getattr(__import__(env_cls.__module__, fromlist=["SCRIPTED_POLICIES"]), "SCRIPTED_POLICIES", {})
+        policies = getattr(sys.modules[env_cls.__module__], "SCRIPTED_POLICIES", {})
         if scripted not in policies:
             raise ValueError(f"environment {cfg.env.name!r} has no scripted policy {scripted!r}; available: {sorted(policies)}")
         tokenizer = load_tokenizer(cfg.model.name)

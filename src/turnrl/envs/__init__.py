@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 from turnrl.envs.base import Env, Message, StepResult, StopReason, Task, load_task_file
@@ -31,6 +32,12 @@ def get_env_class(name: str) -> type[Env]:
     return getattr(importlib.import_module(module), attr)
 
 
+def tasks_from_file(env_name: str, path: str | Path, split: str) -> list[Task]:
+    """Tasks of an environment from a JSONL file, with the environment's own validation when it has one."""
+    loader = getattr(get_env_class(env_name), "load_tasks", None)
+    return loader(path, split) if loader else load_task_file(path, split)
+
+
 def make_env(task: Task, **options: Any) -> Env:
     """Build the environment for a task."""
     return get_env_class(task.env)(task, **options)
@@ -47,4 +54,5 @@ __all__ = [
     "load_task_file",
     "make_env",
     "register_env",
+    "tasks_from_file",
 ]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
@@ -138,33 +139,50 @@ class TaskFileError(ValueError):
     """A task file has a bad line; the message names the file, line and field."""
 
 
-def load_task_file(path: str | Path, split: str | None = None) -> list[Task]:
+def read_json_lines(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Yield ``("file:line", object)`` for every non-blank line of a JSONL file.
+
+    A line that is not a JSON object raises :class:`TaskFileError` naming the file and line.
+    """
+    with Path(path).open(encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise TaskFileError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") from exc
+            if not isinstance(obj, dict):
+                raise TaskFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+            yield where, obj
+
+
+def load_task_file(
+    path: str | Path, split: str | None = None, validate: Callable[[Task, str], None] | None = None
+) -> list[Task]:
     """Read tasks from JSONL: one object per line with ``task_id`` and ``env``.
 
     Every other key goes into ``params`` (a ``params`` object is merged in as is).
+    ``validate(task, "file:line")`` may check each task further (environment-specific fields).
     Raises :class:`TaskFileError` naming the file, line and field on bad input.
     """
     path = Path(path)
     if not path.exists():
         raise TaskFileError(f"task file {path} does not exist; check data.train_file/data.eval_file")
     tasks: list[Task] = []
-    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise TaskFileError(f"{path}:{lineno}: not valid JSON ({exc.msg}); each line must be one JSON object") from exc
-        if not isinstance(obj, dict):
-            raise TaskFileError(f"{path}:{lineno}: expected a JSON object, got {type(obj).__name__}")
+    for where, obj in read_json_lines(path):
         for key in ("task_id", "env"):
             if not isinstance(obj.get(key), str) or not obj.get(key):
-                raise TaskFileError(f"{path}:{lineno}: missing or empty field {key!r} (a string)")
+                raise TaskFileError(f"{where}: missing or empty field {key!r} (a string)")
         params = dict(obj.pop("params", {}) or {})
         task_id, env = obj.pop("task_id"), obj.pop("env")
         task_split = obj.pop("split", split or SplitName.TRAIN)
         params.update(obj)
-        tasks.append(Task(task_id=task_id, env=env, params=params, split=task_split))
+        task = Task(task_id=task_id, env=env, params=params, split=task_split)
+        if validate is not None:
+            validate(task, where)
+        tasks.append(task)
     if not tasks:
         raise TaskFileError(f"{path}: no tasks found (the file is empty)")
     return tasks

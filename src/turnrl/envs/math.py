@@ -18,7 +18,6 @@ via :func:`load_gsm8k`, or from the hub dataset ``openai/gsm8k`` (config
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, ClassVar
@@ -33,6 +32,7 @@ from turnrl.envs.base import (
     TaskFileError,
     check_options,
     check_split,
+    read_json_lines,
 )
 
 INSTRUCTION = (
@@ -221,22 +221,10 @@ def _jsonl_rows(path: Path, limit: int | None) -> list[tuple[int, str, dict[str,
             "'answer' fields (e.g. train.jsonl/test.jsonl from GSM8K), or no path to use the hub"
         )
     rows: list[tuple[int, str, dict[str, Any]]] = []
-    index = 0
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if limit is not None and len(rows) >= limit:
-                break
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise TaskFileError(f"{where}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(obj, dict):
-                raise TaskFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
-            rows.append((index, where, obj))
-            index += 1
+    for where, obj in read_json_lines(path):
+        if limit is not None and len(rows) >= limit:
+            break
+        rows.append((len(rows), where, obj))
     return rows
 
 

@@ -29,7 +29,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from turnrl.config import RunConfig, dump_config
 from turnrl.credit import assign_credit, filter_zero_variance, strip_think
-from turnrl.envs import Task, get_env_class, load_task_file
+from turnrl.envs import Task, get_env_class, tasks_from_file
 from turnrl.eval import comparison_table, evaluate
 from turnrl.models import (
     attach_lora,
@@ -60,14 +60,12 @@ class ResumeError(RuntimeError):
 
 def load_tasks(cfg: RunConfig, split: str) -> list[Task]:
     """Train or eval tasks: from ``data.*_file`` when set, else the environment's built-in set."""
-    env_cls = get_env_class(cfg.env.name)
     path = cfg.data.train_file if split == "train" else cfg.data.eval_file
     if path:
-        loader = getattr(env_cls, "load_tasks", None)
-        tasks = loader(path, split) if loader else load_task_file(path, split)
+        tasks = tasks_from_file(cfg.env.name, path, split)
     else:
         named = cfg.data.train_split if split == "train" else cfg.data.eval_split
-        tasks = env_cls.default_tasks(named, **cfg.env.options)
+        tasks = get_env_class(cfg.env.name).default_tasks(named, **cfg.env.options)
     if split == "eval" and cfg.data.num_eval_tasks:
         tasks = tasks[: cfg.data.num_eval_tasks]
     return tasks

@@ -146,15 +146,13 @@ def load_tasks(path: str | Path, split: str | None = None, check_env_code: bool 
 
     Errors name the file, the line number and the field.
     """
-    path = Path(path)
-    tasks = load_task_file(path, split=split)
-    linenos = [n for n, line in enumerate(path.read_text().splitlines(), start=1) if line.strip()]
-    for lineno, task in zip(linenos, tasks, strict=True):
-        where = f"{path}:{lineno}"
+
+    def validate(task: Task, where: str) -> None:
         if task.env != ENV_NAME:
             raise TaskFileError(f"{where}: field 'env' is {task.env!r}, expected {ENV_NAME!r}")
         validate_params(task.params, where, check_env_code=check_env_code)
-    return tasks
+
+    return load_task_file(path, split=split, validate=validate)
 
 
 def shipped_path(split: str) -> Path:
