@@ -128,23 +128,32 @@ class Episode:
         return cls(**obj)
 
 
-def loss_mask(episode: Episode) -> tuple[list[int], list[int]]:
-    """The whole episode as one sequence and its loss mask (1 on model tokens only).
+def new_prompt_lengths(episode: Episode) -> list[int]:
+    """For each turn, how many of its context tokens are new (after the previous turn's action).
 
-    Requires every turn's context to extend the previous turn's sequence.
+    Requires every turn's context to extend the previous turn's sequence, so the whole
+    episode is one sequence: ``turns[-1].prompt_ids + turns[-1].action_ids``.
     """
-    ids: list[int] = []
-    mask: list[int] = []
+    lengths: list[int] = []
+    before: list[int] = []  # the sequence up to the end of the previous turn's action
     for turn in episode.turns:
-        if turn.prompt_ids[: len(ids)] != ids:
+        if turn.prompt_ids[: len(before)] != before:
             raise ValueError(
-                f"episode {episode.episode_id}: turn {turn.index} context does not extend the previous"
-                " turn (e.g. exclude_think); train it as per-turn rows"
+                f"episode {episode.episode_id}: turn {turn.index}'s context does not extend the previous"
+                " turn (e.g. exclude_think); it must be trained as per-turn rows"
             )
-        new_prompt = turn.prompt_ids[len(ids):]
-        ids += new_prompt + turn.action_ids
-        mask += [0] * len(new_prompt) + [1] * len(turn.action_ids)
-    return ids, mask
+        lengths.append(len(turn.prompt_ids) - len(before))
+        before = turn.sequence_ids
+    return lengths
+
+
+def loss_mask(episode: Episode) -> tuple[list[int], list[int]]:
+    """The whole episode as one sequence and its loss mask (1 on model tokens only)."""
+    mask: list[int] = []
+    for turn, n_new in zip(episode.turns, new_prompt_lengths(episode), strict=True):
+        mask += [0] * n_new + [1] * len(turn.action_ids)
+    last = episode.turns[-1]
+    return last.prompt_ids + last.action_ids, mask
 
 
 def write_jsonl(path: str | Path, records: Iterable[Episode], append: bool = False) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from turnrl.rollout.records import Episode, Turn
+from turnrl.rollout.records import Episode, Turn, new_prompt_lengths
 
 
 @dataclass
@@ -67,22 +67,16 @@ def turn_rows(episode: Episode, advantages: list[float | None]) -> list[Row]:
 
 def episode_row(episode: Episode, advantages: list[float | None]) -> Row:
     """The whole episode as one row; requires each turn's context to extend the previous one."""
-    ids: list[int] = []
     mask: list[int] = []
     advs: list[float] = []
     lps: list[float] = []
     parts: list[tuple[Turn, int]] = []
-    for turn, adv in zip(episode.turns, advantages, strict=True):
-        if turn.prompt_ids[: len(ids)] != ids:
-            raise ValueError(
-                f"episode {episode.episode_id}: turn {turn.index}'s context does not extend the previous"
-                " turn (e.g. exclude_think); it must be trained as per-turn rows"
-            )
-        n_prompt = len(turn.prompt_ids) - len(ids)
+    for turn, adv, n_prompt in zip(episode.turns, advantages, new_prompt_lengths(episode), strict=True):
         m, a, lp = _turn_tokens(turn, adv, n_prompt)
-        ids += turn.prompt_ids[len(ids):] + turn.action_ids
         mask, advs, lps = mask + m, advs + a, lps + lp
         parts.append((turn, n_prompt))
+    last = episode.turns[-1]
+    ids = last.prompt_ids + last.action_ids
     topk_ids, topk_lps = _topk(parts)
     trained = sum(a is not None for a in advantages)
     return Row(ids, mask, advs, lps, -1, episode.episode_id, topk_ids, topk_lps, trained)
