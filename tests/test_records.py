@@ -61,3 +61,12 @@ def test_loss_mask_marks_only_model_tokens():
     ids, mask = loss_mask(make_episode())
     assert ids == [1, 2, 3, 10, 11, 4, 5, 12]
     assert mask == [0, 0, 0, 1, 1, 0, 0, 1]
+
+
+def test_rebuilt_context_cannot_be_one_sequence():
+    import pytest
+
+    ep = make_episode()
+    ep.turns[1].prompt_ids = [9, 9, 9, 4, 5]  # e.g. earlier thinking stripped: not an extension
+    with pytest.raises(ValueError, match="does not extend the previous turn"):
+        loss_mask(ep)
