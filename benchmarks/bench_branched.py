@@ -88,7 +88,8 @@ def run_variant(packed: bool, args) -> dict:
     model.train()
     model = attach_lora(model, parse_config({}).model.lora)
     rows, prompt_len = slosh_rows(tok, args.g1, args.g2, args.action, args.reply, args.prompt_tokens)
-    cfg = parse_config({"train": {"micro_batch_size": args.micro_batch, "shared_prefix": packed}})
+    micro = args.micro_batch if packed else (args.per_row_micro_batch or args.micro_batch)
+    cfg = parse_config({"train": {"micro_batch_size": micro, "shared_prefix": packed}})
     stats = [row_stats(rows[s : s + args.micro_batch]) for s in range(0, len(rows), args.micro_batch)]
     _reset_peak()
     before = _status_kib("VmRSS")
@@ -116,6 +117,13 @@ def main() -> None:
     ap.add_argument("--reply", type=int, default=40, help="environment reply tokens")
     ap.add_argument("--prompt-tokens", type=int, default=None, help="truncate the slosh prompt")
     ap.add_argument("--micro-batch", type=int, default=32, help="rows per micro-batch (sharing is within one)")
+    ap.add_argument(
+        "--per-row-micro-batch",
+        type=int,
+        default=None,
+        help="rows per micro-batch of the per-row side (default --micro-batch; it gains nothing from more, "
+        "and at the full prompt 20 padded rows in one micro-batch exceed this machine's memory)",
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--variant", choices=["packed", "per_row"], help=argparse.SUPPRESS)
@@ -145,7 +153,8 @@ def main() -> None:
     r = results["packed"][0]
     print(
         f"\nslosh-like branched step: G1={args.g1} G2={args.g2}, prompt {r['prompt_tokens']} tokens, "
-        f"{r['rows']} per-turn rows, micro-batch {args.micro_batch}, {args.threads} threads"
+        f"{r['rows']} per-turn rows, micro-batch {args.micro_batch} (per-row side "
+        f"{args.per_row_micro_batch or args.micro_batch}), {args.threads} threads"
     )
     print(
         f"tokens: per-row {r['total_tokens']} ({r['padded_tokens']} padded), packed {r['unique_tokens']} unique "

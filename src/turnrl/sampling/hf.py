@@ -20,13 +20,10 @@ generating, so rollouts come from the policy of the last refresh
 from __future__ import annotations
 
 import torch
-import transformers
 
 from turnrl.chat import end_of_turn_ids
+from turnrl.models import CACHE_KWARG
 from turnrl.types import Message, Sample, SamplingParams
-
-# transformers 5 renamed generate's ``past_key_values`` argument to ``cache``
-_CACHE_KWARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 
 
 def common_prefix_length(rows: list[list[int]]) -> int:
@@ -124,9 +121,9 @@ class HFSampler:
         extra = {}
         if shared:
             prefix = self.model(input_ids=input_ids[:1, :shared].to(device), use_cache=True)
-            cache = getattr(prefix, "cache", None) or prefix.past_key_values
+            cache = getattr(prefix, CACHE_KWARG)
             cache.batch_repeat_interleave(len(contexts))
-            extra[_CACHE_KWARG] = cache
+            extra[CACHE_KWARG] = cache
         greedy = params.temperature == 0
         torch.manual_seed(seed)
         gen = self.model.generate(
