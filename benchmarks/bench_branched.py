@@ -27,18 +27,7 @@ import subprocess
 import sys
 import time
 
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as fh:
-        for line in fh:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as fh:
-        fh.write("5")
+from bench_memory import _reset_peak, _status_kib  # the script's directory is on sys.path
 
 
 def slosh_rows(tok, g1: int, g2: int, action: int, reply: int, prompt_tokens: int | None):
