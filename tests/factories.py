@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from turnrl.train.batch import Row
 from turnrl.types import Episode, StopReason, Turn
 
 
@@ -69,3 +70,28 @@ def tiny_run_config(output_dir, name: str, env: str = "count", **sections):
     for key, value in sections.items():
         data.setdefault(key, {}).update(value)
     return parse_config(data)
+
+
+def perturb_lora(policy, seed: int) -> dict[str, torch.Tensor]:
+    """What an optimizer step does: the LoRA B matrices leave zero. Returns the trainable tensors."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.01)
+    return {n: p.detach() for n, p in policy.named_parameters() if p.requires_grad}
+
+
+def sample_rows(contexts: list[list[int]], samples) -> list[Row]:
+    """One training row per (context, sample): the sampled tokens trained, advantage 1, behaviour log-probs."""
+    return [
+        Row(
+            c + s.ids,
+            [0] * len(c) + [1] * len(s.ids),
+            [1.0] * (len(c) + len(s.ids)),
+            [0.0] * len(c) + s.logprobs,
+            0,
+            str(k),
+        )
+        for k, (c, s) in enumerate(zip(contexts, samples, strict=True))
+    ]

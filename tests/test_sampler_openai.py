@@ -31,6 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from factories import perturb_lora
 from turnrl.chat import ChatTemplate
 from turnrl.config import LoraConfig, ModelConfig, parse_config
 from turnrl.models import attach_lora, embedded_gguf_path, load_model
@@ -143,16 +144,6 @@ def _sampler(policy, tokenizer, url, stale=False, **kw) -> OpenAISampler:
     return OpenAISampler(policy, tokenizer, OpenAISamplerParams(base_url=url, **kw), stale=stale)
 
 
-def _perturb(policy, seed: int) -> dict[str, torch.Tensor]:
-    """What an optimizer step does: the LoRA B matrices leave zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.01)
-    return {n: p.detach() for n, p in policy.named_parameters() if p.requires_grad}
-
-
 def test_config_takes_the_backends_own_params():
     cfg = parse_config(
         {
@@ -223,7 +214,7 @@ def test_stale_sampler_loads_a_new_adapter_per_version(mock, policy, tokenizer, 
     sampler = _sampler(policy, tokenizer, mock.url, stale=True, adapter_dir=str(tmp_path))
     sampler.refresh()  # LoRA B still zero: the policy is the base, nothing to load
     assert mock.lora_calls() == [] and sampler.adapter_name is None
-    weights = _perturb(policy, 1)
+    weights = perturb_lora(policy, 1)
     sampler.refresh(weights)
     assert mock.lora_calls() == [
         ("load_lora_adapter", {"lora_name": "turnrl-v2", "lora_path": str(tmp_path / "turnrl-v2")})
@@ -234,10 +225,10 @@ def test_stale_sampler_loads_a_new_adapter_per_version(mock, policy, tokenizer, 
     assert json.loads((tmp_path / "turnrl-v2" / "adapter_config.json").read_text())["r"] == LoraConfig().r
     sampler.sample([[5]], SamplingParams(max_tokens=1))
     assert mock.completions()[-1]["model"] == "turnrl-v2"
-    _perturb(policy, 2)  # a stale sampler does not follow until its refresh
+    perturb_lora(policy, 2)  # a stale sampler does not follow until its refresh
     sampler.sample([[5]], SamplingParams(max_tokens=1))
     assert len(mock.lora_calls()) == 1
-    sampler.refresh(_perturb(policy, 3))
+    sampler.refresh(perturb_lora(policy, 3))
     assert mock.lora_calls()[1:] == [
         ("load_lora_adapter", {"lora_name": "turnrl-v3", "lora_path": str(tmp_path / "turnrl-v3")}),
         ("unload_lora_adapter", {"lora_name": "turnrl-v2"}),
@@ -248,7 +239,7 @@ def test_fresh_sampler_syncs_before_sampling_when_the_weights_changed(mock, poli
     sampler = _sampler(policy, tokenizer, mock.url)
     sampler.sample([[5]], SamplingParams(max_tokens=1))
     assert mock.lora_calls() == [] and mock.completions()[-1]["model"] == "base"
-    _perturb(policy, 1)
+    perturb_lora(policy, 1)
     sampler.sample([[5]], SamplingParams(max_tokens=1))
     sampler.sample([[5]], SamplingParams(max_tokens=1))
     assert [c for c, _ in mock.lora_calls()] == ["load_lora_adapter"]  # once: the weights did not change again
@@ -257,7 +248,7 @@ def test_fresh_sampler_syncs_before_sampling_when_the_weights_changed(mock, poli
 
 def test_resumed_sampler_loads_the_adapter_it_had(mock, policy, tokenizer):
     sampler = _sampler(policy, tokenizer, mock.url, stale=True)
-    sampler.refresh(_perturb(policy, 1))
+    sampler.refresh(perturb_lora(policy, 1))
     state = sampler.state_dict()
     again = _sampler(policy, tokenizer, mock.url, stale=True)
     again.load_state_dict(state)
@@ -268,10 +259,10 @@ def test_resumed_sampler_loads_the_adapter_it_had(mock, policy, tokenizer):
 def test_weight_sync_is_refused_where_the_server_cannot_load_adapters(policy, tokenizer):
     sampler = _sampler(policy, tokenizer, "http://127.0.0.1:1/v1", stale=True, server="llama_cpp")
     with pytest.raises(NotImplementedError, match="cannot load a LoRA adapter at run time"):
-        sampler.refresh(_perturb(policy, 1))
+        sampler.refresh(perturb_lora(policy, 1))
     off = _sampler(policy, tokenizer, "http://127.0.0.1:1/v1", stale=True, lora_sync=False)
     with pytest.raises(ValueError, match="lora_sync"):
-        off.refresh(_perturb(policy, 2))
+        off.refresh(perturb_lora(policy, 2))
 
 
 def test_llama_cpp_reply_shape_is_parsed():
@@ -468,7 +459,7 @@ def test_llama_server_sampled_logprobs_are_under_the_temperature(llama_url, embe
 def test_llama_server_refuses_weight_sync(llama_url, policy, tokenizer):
     sampler = _sampler(policy, tokenizer, llama_url, stale=True, server="llama_cpp")
     with pytest.raises(NotImplementedError, match=llama_url):
-        sampler.refresh(_perturb(policy, 1))
+        sampler.refresh(perturb_lora(policy, 1))
 
 
 def test_training_with_the_openai_backend_loads_each_new_policy(mock, tmp_path):

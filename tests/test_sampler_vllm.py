@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from factories import perturb_lora, sample_rows
 from turnrl.config import LoraConfig, ModelConfig, parse_config
 from turnrl.models import attach_lora, load_model
 from turnrl.sampling import SAMPLERS
@@ -39,15 +40,6 @@ HAS_VLLM = importlib.util.find_spec("vllm") is not None
 def policy():
     model, _ = load_model(ModelConfig(name="tiny"), seed=0)
     return attach_lora(model, LoraConfig(r=8))
-
-
-def _perturb(policy, seed: int) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.add_(torch.randn(p.shape, generator=g) * 0.01)
-    return {n: p.detach() for n, p in policy.named_parameters() if p.requires_grad}
 
 
 def test_config_validates_the_backends_params():
@@ -81,7 +73,7 @@ def test_the_base_written_for_the_engine_is_the_policys_base(policy, tokenizer, 
     """With earlier iterations merged into it, the base is not the one on disk: it is written out."""
     with torch.no_grad():  # stands in for merged adapters of earlier iterations
         policy.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight.add_(0.5)
-    _perturb(policy, 1)  # the current LoRA must not be in the base
+    perturb_lora(policy, 1)  # the current LoRA must not be in the base
     path = write_base(policy, tokenizer, tmp_path / "base")
     loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.tensor([[1, 2, 3, 4, 5]])
@@ -109,9 +101,9 @@ def test_a_new_adapter_per_policy_version(policy, tokenizer, tmp_path, monkeypat
     sampler = VLLMSampler(policy, tokenizer, VLLMSamplerParams(work_dir=str(tmp_path)), stale=True)
     sampler.refresh()  # LoRA B == 0: the base is the policy
     assert made == [] and sampler.lora_request is None
-    w1 = {n: t.clone() for n, t in _perturb(policy, 1).items()}
+    w1 = {n: t.clone() for n, t in perturb_lora(policy, 1).items()}
     sampler.refresh(w1)
-    sampler.refresh(_perturb(policy, 2))
+    sampler.refresh(perturb_lora(policy, 2))
     assert [m[0] for m in made] == ["turnrl-v2", "turnrl-v3"] and made[0][1] < made[1][1]  # new ids
     saved = load_file(f"{made[0][2]}/adapter_model.safetensors")
     current = dict(policy.named_parameters())
@@ -200,20 +192,10 @@ def _contexts(tok):
 
 
 def _trainer_logprobs(model, tok, contexts, samples, temperature):
-    from turnrl.train.batch import Row, collate
+    from turnrl.train.batch import collate
     from turnrl.train.step import token_logprobs
 
-    rows = [
-        Row(
-            c + s.ids,
-            [0] * len(c) + [1] * len(s.ids),
-            [1.0] * (len(c) + len(s.ids)),
-            [0.0] * len(c) + s.logprobs,
-            0,
-            str(k),
-        )
-        for k, (c, s) in enumerate(zip(contexts, samples, strict=True))
-    ]
+    rows = sample_rows(contexts, samples)
     batch = collate(rows, tok.pad_token_id).to(next(model.parameters()).device)
     with torch.no_grad():
         logp, _ = token_logprobs(model, batch, temperature=temperature or 1.0)
@@ -247,7 +229,7 @@ def test_vllm_follows_the_trainers_lora(gpu_policy, tmp_path):
     contexts = _contexts(tok)
     sampler = VLLMSampler(model, tok, VLLMSamplerParams(work_dir=str(tmp_path), gpu_memory_utilization=0.2))
     params = SamplingParams(temperature=1.0, max_tokens=16)
-    _perturb(model, 1)
+    perturb_lora(model, 1)
     with torch.no_grad():  # a visible change of the policy
         for name, p in model.named_parameters():
             if "lora_B" in name:

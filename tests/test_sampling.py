@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from factories import sample_rows
 from turnrl.chat import end_of_turn_ids
 from turnrl.sampling.hf import HFSampler, common_prefix_length
-from turnrl.train.batch import Row, collate
+from turnrl.train.batch import collate
 from turnrl.train.step import token_logprobs
 from turnrl.types import SamplingParams
 
@@ -37,17 +38,7 @@ def test_prefix_cache_changes_nothing(tiny_model, tokenizer, temperature):
 def test_sampler_logprobs_equal_the_trainers(tiny_model, tokenizer):
     contexts = _contexts()
     samples = HFSampler(tiny_model, tokenizer).sample(contexts, SamplingParams(temperature=1.0, max_tokens=6, seed=1))
-    rows = [
-        Row(
-            c + s.ids,
-            [0] * len(c) + [1] * len(s.ids),
-            [1.0] * (len(c) + len(s.ids)),
-            [0.0] * len(c) + s.logprobs,
-            0,
-            str(k),
-        )
-        for k, (c, s) in enumerate(zip(contexts, samples, strict=True))
-    ]
+    rows = sample_rows(contexts, samples)
     batch = collate(rows, tokenizer.pad_token_id)
     with torch.no_grad():
         logp, _ = token_logprobs(tiny_model, batch)
