@@ -1,4 +1,5 @@
-"""Several processes (gloo on CPU): the 2-process step equals the 1-process step; a killed 2-process run resumes.
+"""Several processes (gloo on CPU): the 2-process step equals the 1-process step, with the base replicated on
+every rank or sharded over them (FSDP2); a killed 2-process run (either way) resumes to the uninterrupted one.
 
 Tolerances, and what was measured (4 loss set-ups, tiny model, 2 ranks vs 1 process).
 Gradients: ``|diff| <= 1e-5 · max|g|`` against the single process (measured ≤ 4e-6 ·
@@ -28,7 +29,14 @@ from turnrl.config import parse_config
 from turnrl.tracking import read_csv
 from turnrl.train import distributed
 from turnrl.train.batch import build_rows
-from turnrl.train.distributed import DistributedTrainer, global_totals, make_trainer, shard_rows
+from turnrl.train.distributed import (
+    DistributedTrainer,
+    ShardedTrainer,
+    global_totals,
+    lockstep_plan,
+    make_trainer,
+    shard_rows,
+)
 from turnrl.train.policy import build_policy
 from turnrl.train.step import LocalTrainer, StepTotals, accumulate_gradients, update
 
@@ -84,7 +92,9 @@ def _one_step(trainer, cfg, rows) -> dict:
     return out
 
 
-def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> None:
+def _worker(rank: int, world: int, port: int, out: str, names: list[str], fsdp: bool) -> None:
+    if fsdp:
+        os.environ["ACCELERATE_USE_FSDP"] = "true"
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -100,9 +110,21 @@ def _worker(rank: int, world: int, port: int, out: str, names: list[str]) -> Non
         cfg, rows = _case(name)
         model, tok = build_policy(cfg, None, 0)
         trainer = make_trainer(model, cfg, tok.pad_token_id)
-        assert isinstance(trainer, DistributedTrainer)
+        assert type(trainer) is (ShardedTrainer if fsdp else DistributedTrainer)
         results[name] = _one_step(trainer, cfg, rows)
+        results[name]["frozen"] = _frozen_layout(model)
     torch.save(results, Path(out) / f"rank{rank}.pt")
+
+
+def _frozen_layout(model) -> dict[str, list]:
+    """Each frozen decoder-layer weight's local shape, and whether it is an FSDP shard."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: [isinstance(p, DTensor), list(p.to_local().shape if isinstance(p, DTensor) else p.shape)]
+        for n, p in model.named_parameters()
+        if not p.requires_grad and ".layers." in n
+    }
 
 
 def _free_port() -> int:
@@ -111,11 +133,11 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _spawn(world: int, out: Path, names: list[str], timeout: float = 300) -> None:
+def _spawn(world: int, out: Path, names: list[str], fsdp: bool = False, timeout: float = 300) -> None:
     import torch.multiprocessing as mp
 
     ctx = mp.start_processes(
-        _worker, args=(world, _free_port(), str(out), names), nprocs=world, join=False, start_method="spawn"
+        _worker, args=(world, _free_port(), str(out), names, fsdp), nprocs=world, join=False, start_method="spawn"
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=5):
@@ -179,15 +201,17 @@ def test_shard_gradients_with_global_totals_add_up_to_the_batch_gradient(name):
 # ---- two processes -----------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, True], ids=["replicated", "fsdp"])
+def two_ranks(request, tmp_path_factory):
+    """Both ranks' results: the base replicated on each rank, or sharded over the two by FSDP."""
     out = tmp_path_factory.mktemp("ranks")
-    _spawn(2, out, list(CASES))
-    return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    _spawn(2, out, list(CASES), fsdp=request.param)
+    return request.param, [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
 
 
 @pytest.mark.parametrize("name", list(CASES))
 def test_two_process_step_equals_the_one_process_step(two_ranks, name):
+    fsdp, two_ranks = two_ranks
     cfg, rows = _case(name)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -197,6 +221,11 @@ def test_two_process_step_equals_the_one_process_step(two_ranks, name):
     finally:
         torch.set_num_threads(threads)
     r0, r1 = two_ranks[0][name], two_ranks[1][name]
+    whole = _frozen_layout(model)
+    assert whole and r0["frozen"].keys() == whole.keys()
+    for n, (_, shape) in whole.items():  # FSDP: each rank holds half of every frozen layer weight
+        want = [True, [shape[0] // 2, *shape[1:]]] if fsdp else [False, shape]
+        assert r0["frozen"][n] == r1["frozen"][n] == want, n
     assert r0["fingerprint"] == r1["fingerprint"]  # the ranks' samplers refresh to the same weights
     scale = max(float(g.abs().max()) for g in ref["grads"].values())
     assert scale > 0
@@ -267,24 +296,47 @@ def two_process_run(tmp_path_factory):
     return tmp / "runs" / "ref"
 
 
-def test_two_process_run_matches_the_one_process_run(two_process_run, tmp_path):
-    result = _train(_config(tmp_path, "ref"))
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one")
+    result = _train(_config(tmp, "ref"))
     assert result.returncode == 0, result.stderr[-3000:]
-    one = tmp_path / "runs" / "ref"
-    two_rows, one_rows = _rows(two_process_run), _rows(one)
-    assert [r["step"] for r in two_rows] == [1, 2, 3, 4]  # one row per step: only rank 0 logs
-    for a, b in zip(two_rows, one_rows, strict=True):
+    return tmp / "runs" / "ref"
+
+
+def _assert_same_training(run: Path, one: Path) -> None:
+    """Same logged steps (to float tolerance) and adapters as the one-process run; rank 0 wrote once."""
+    rows, one_rows = _rows(run), _rows(one)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]  # one row per step: only rank 0 logs
+    for a, b in zip(rows, one_rows, strict=True):
         for k in COMPARED:
             assert math.isclose(float(a[k]), float(b[k]), **METRIC_TOL), (a["step"], k, a[k], b[k])
     from safetensors.torch import load_file
 
     for it in (0, 1):
-        wa = load_file(str(two_process_run / f"adapters/iter_{it:03d}/adapter_model.safetensors"))
+        wa = load_file(str(run / f"adapters/iter_{it:03d}/adapter_model.safetensors"))
         wb = load_file(str(one / f"adapters/iter_{it:03d}/adapter_model.safetensors"))
+        assert wa.keys() == wb.keys()
         for k in wb:
             torch.testing.assert_close(wa[k], wb[k], atol=WEIGHT_ATOL, rtol=0)
-    lines = (two_process_run / "rollouts/iter_000.jsonl").read_text().splitlines()
+    lines = (run / "rollouts/iter_000.jsonl").read_text().splitlines()
     assert len(lines) == 2 * 2 * 2  # 2 steps x 2 tasks x 2 episodes, written once
+
+
+def test_two_process_run_matches_the_one_process_run(two_process_run, one_process_run):
+    _assert_same_training(two_process_run, one_process_run)
+
+
+def test_killed_fsdp_run_resumes_and_matches_the_one_process_run(one_process_run, tmp_path):
+    """accelerate launch with FSDP (the base sharded over 2 ranks, sampling through the sharded layers):
+    killed mid-iteration 1, resumed, and the same training as one process."""
+    config = _config(tmp_path, "ref")
+    run = tmp_path / "runs" / "ref"
+    killed = _train(config, "--processes", "2", "--fsdp", kill_at="step:4")
+    assert killed.returncode != 0, killed.stderr[-2000:]
+    resumed = _train(config, "--processes", "2", "--fsdp", "--resume", str(run))
+    assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    _assert_same_training(run, one_process_run)
 
 
 def test_killed_two_process_run_resumes_to_the_uninterrupted_one(two_process_run, tmp_path):
@@ -325,16 +377,48 @@ def test_processes_must_match_the_launcher(tmp_path):
     assert "--processes 2" in result.stdout and "3 processes" in result.stdout
 
 
-# ---- sharded backends: need GPUs ------------------------------------------------------------
+def test_fsdp_flag_needs_processes_and_a_matching_launch(tmp_path):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    cmd = [sys.executable, "-m", "turnrl", "train", str(_config(tmp_path, "x"))]
+    alone = subprocess.run([*cmd, "--fsdp"], env=env, capture_output=True, text=True, timeout=120)
+    assert alone.returncode == 2 and "--processes N" in alone.stdout
+    env.update(WORLD_SIZE="2")  # a rank of a launch without FSDP
+    mismatch = subprocess.run(
+        [*cmd, "--processes", "2", "--fsdp"], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert mismatch.returncode == 2 and "without FSDP" in mismatch.stdout
 
 
-def test_fsdp_and_deepspeed_launches_are_refused_with_the_way_out(monkeypatch):
+# ---- the lock-step plan of the sharded trainer ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_lockstep_plans_have_equal_length_and_partition_the_rows(name):
+    cfg, rows = _case(name)
+    for world in (2, 3, 11):
+        plans = [lockstep_plan(rows, cfg, r, world) for r in range(world)]
+        assert len({len(p) for p in plans}) == 1  # every rank runs the same number of micro-batches
+        real = [r for p in plans for mb in p for r in mb if any(r.mask)]
+        assert sorted(map(id, real)) == sorted(map(id, rows))
+        for p in plans:
+            assert all(0 < len(mb) <= cfg.train.micro_batch_size for mb in p)
+            if cfg.train.decompose_turns:  # a micro-batch holds one turn index
+                assert all(len({r.turn for r in mb}) == 1 for mb in p)
+    placeholders = [mb for p in (lockstep_plan(rows, cfg, r, 11) for r in range(11)) for mb in p if not any(mb[0].mask)]
+    assert placeholders and all(len(mb) == 1 for mb in placeholders)  # 11 ranks, 5-10 rows: some get none
+
+
+def test_deepspeed_and_fsdp_offload_launches_are_refused_with_the_way_out(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    for var in ("ACCELERATE_USE_FSDP", "ACCELERATE_USE_DEEPSPEED"):
-        monkeypatch.setenv(var, "true")
-        with pytest.raises(ValueError, match="accelerate_multi_gpu.yaml"):
-            distributed.setup()
-        monkeypatch.delenv(var)
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="accelerate_fsdp.yaml"):
+        distributed.setup()
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(ValueError, match="fsdp_offload_params: false"):
+        distributed.setup()
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("accelerate_*.yaml")), ids=lambda p: p.name)

@@ -100,10 +100,15 @@ def train(
     processes: Annotated[
         int, typer.Option(min=1, help="Train on N processes (one per GPU), launched through accelerate.")
     ] = 1,
+    fsdp: Annotated[
+        bool, typer.Option(help="With --processes N: shard the frozen base over the processes (FSDP2).")
+    ] = False,
 ) -> None:
     """Train: evaluate the base, then collect → credit → update, evaluating every N steps and at the end."""
+    if fsdp and processes == 1:
+        _fail(ValueError("--fsdp shards the base over several processes: add --processes N (N >= 2)"))
     if processes > 1:
-        _launch_processes(processes)
+        _launch_processes(processes, fsdp)
     try:
         cfg = _load(config, set_, run_name)
         if resume is not None:
@@ -123,17 +128,20 @@ def train(
         _fail(exc)
 
 
-def _launch_processes(processes: int) -> None:
+def _launch_processes(processes: int, fsdp: bool) -> None:
     """``--processes N``: re-run this very command under ``accelerate launch`` (returns inside the launched ranks)."""
     import os
 
+    from turnrl.train.distributed import fsdp_launched
+
     launched = os.environ.get("WORLD_SIZE")
     if launched is not None:  # we are one of the launched processes
-        if launched != str(processes):
+        if launched != str(processes) or fsdp != fsdp_launched():
+            how = f"{launched} processes" + (" with FSDP" if fsdp_launched() else " without FSDP")
             _fail(
                 ValueError(
-                    f"--processes {processes}, but the launcher started {launched} processes;"
-                    " drop --processes when launching with accelerate launch yourself"
+                    f"--processes {processes}{' --fsdp' if fsdp else ''}, but the launcher started {how};"
+                    " drop --processes and --fsdp when launching with accelerate launch yourself"
                 )
             )
         return
@@ -149,7 +157,7 @@ def _launch_processes(processes: int) -> None:
     target = ["-m", "turnrl"] if script.endswith("__main__.py") or not Path(script).is_file() else [script]
     args = launch_command_parser().parse_args(
         [
-            "--multi_gpu",
+            *(["--use_fsdp", "--fsdp_version", "2"] if fsdp else ["--multi_gpu"]),
             "--num_processes",
             str(processes),
             "--num_machines",

@@ -36,10 +36,29 @@ Exact to float tolerance for every loss except where a step draws random
 numbers per row: the centered loss's auxiliary tokens and LoRA dropout are
 drawn per rank, so they match the single-process step in distribution only.
 
-FSDP and DeepSpeed launches (``configs/accelerate_fsdp.yaml``,
-``configs/accelerate_deepspeed_zero*.yaml``) are refused with a message: sharded
-parameters need the forward to run through the wrapping module, which the
-chunked log-prob path does not do yet.
+**FSDP** (``accelerate launch --config_file configs/accelerate_fsdp.yaml``, or
+``turnrl train --processes N --fsdp``): :class:`ShardedTrainer` is the same
+trainer with the *frozen base* sharded across ranks by PyTorch's FSDP2
+(``fully_shard`` on every decoder layer), so a base too large for one device's
+memory fits N of them. What is sharded and what is not:
+
+* Each decoder layer's frozen weights live 1/N per rank; FSDP gathers a layer's
+  weights for its forward (and again for its backward) and frees them after.
+  The LoRA weights are left out of FSDP (``ignored_params``): they stay whole on
+  every rank and are summed by the same ``all_reduce`` as above, so adapters,
+  checkpoints, the weight check and the sampler refresh are unchanged. The
+  embeddings, final norm and output head (outside the layers) stay whole.
+* Gathers are collectives: every rank must run the same forwards and backwards.
+  Collection and evaluation already do (replicated). Training runs a
+  *lock-step plan* (:func:`lockstep_plan`): every rank computes the same global
+  micro-batches of ``micro_batch_size × N`` rows and takes its share of each; a
+  rank whose share is empty runs one placeholder row with no trained token
+  (loss 0). Each micro-batch is one forward of the model (one row at a time,
+  not shared-prefix packs, whose number of forwards depends on the rows).
+
+DeepSpeed launches (``configs/accelerate_deepspeed_zero3.yaml``) are refused
+with a message: ZeRO-3's engine owns the backward and the parameter hooks, and
+for a LoRA on a frozen base it shards the same thing FSDP does here.
 """
 
 from __future__ import annotations
@@ -52,7 +71,7 @@ import torch
 
 from turnrl.config import RunConfig
 from turnrl.train.batch import Row
-from turnrl.train.step import LocalTrainer, StepTotals, Trainer, accumulate_gradients
+from turnrl.train.step import LocalTrainer, StepTotals, Trainer, accumulate_gradients, pass_groups
 
 
 def launched_world_size() -> int:
@@ -80,21 +99,34 @@ def active() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized() and launched_world_size() > 1
 
 
-def _refuse_sharded_backends() -> None:
-    for var, name in (("ACCELERATE_USE_FSDP", "FSDP"), ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
-        if os.environ.get(var, "false").lower() == "true":
-            raise ValueError(
-                f"accelerate launched turnrl with {name}; turnrl's trainer keeps a full copy of the model on"
-                " every process and sums the LoRA gradients itself, and does not run under sharded parameters"
-                " yet. Launch with configs/accelerate_multi_gpu.yaml (or --multi_gpu) instead"
-            )
+def _env_flag(var: str) -> bool:
+    return os.environ.get(var, "false").lower() == "true"
+
+
+def fsdp_launched() -> bool:
+    """accelerate launched these processes with ``distributed_type: FSDP``."""
+    return _env_flag("ACCELERATE_USE_FSDP")
+
+
+def _refuse_unsupported_launches() -> None:
+    if _env_flag("ACCELERATE_USE_DEEPSPEED"):
+        raise ValueError(
+            "accelerate launched turnrl with DeepSpeed, which turnrl does not run (ZeRO-3's engine owns the"
+            " backward; for a LoRA on a frozen base it shards what FSDP shards). Launch with"
+            " configs/accelerate_fsdp.yaml (the base sharded across processes) or configs/accelerate_multi_gpu.yaml"
+        )
+    if fsdp_launched() and _env_flag("FSDP_OFFLOAD_PARAMS"):
+        raise ValueError(
+            "accelerate launched turnrl with FSDP and fsdp_offload_params: true; turnrl shards the base across"
+            " processes but does not offload it to CPU memory. Set fsdp_offload_params: false in the accelerate config"
+        )
 
 
 def setup() -> None:
     """Join the launcher's processes into one process group (a no-op for one process)."""
     if launched_world_size() <= 1 or active():
         return
-    _refuse_sharded_backends()
+    _refuse_unsupported_launches()
     from accelerate import PartialState
 
     PartialState(cpu=not torch.cuda.is_available())
@@ -194,16 +226,7 @@ class DistributedTrainer(LocalTrainer):
     def forward_backward(self, rows: list[Row], totals: StepTotals) -> dict[str, float]:
         """``rows`` is the whole batch (the same on every rank); this rank trains on its shard of it."""
         shard = shard_rows(rows, self.rank, self.world)
-        totals_global = global_totals(shard, self.cfg.sampler.max_tokens, self.device)
-        if _any_rank(totals_global != totals, self.device):
-            raise RuntimeError(
-                f"the ranks collected different batches (this rank: {totals}, the ranks' shards together:"
-                f" {totals_global}); every rank must sample the same episodes — check that sampling is"
-                " deterministic on this hardware (same seeds, same weights)"
-            )
-        generator = self.generator
-        if generator is not None and self.rank > 0:  # each rank draws its own auxiliary tokens
-            generator = torch.Generator().manual_seed((generator.initial_seed() * 1_000_003 + self.rank) % 2**63)
+        self._check_shards(shard, totals)
         sums: dict[str, float] = {}
         if shard:
             sums = accumulate_gradients(
@@ -211,12 +234,29 @@ class DistributedTrainer(LocalTrainer):
                 shard,
                 self.cfg,
                 pad_id=self.pad_id,
-                totals=totals_global,
+                totals=totals,
                 old_logprobs=self.old_logprobs,
-                generator=generator,
+                generator=self._rank_generator(),
             )
         self._reduced = False
         return all_reduce_sums(sums, self.device)
+
+    def _check_shards(self, shard: list[Row], totals: StepTotals) -> None:
+        """The ranks' shards together must be the batch every rank collected."""
+        totals_global = global_totals(shard, self.cfg.sampler.max_tokens, self.device)
+        if _any_rank(totals_global != totals, self.device):
+            raise RuntimeError(
+                f"the ranks collected different batches (this rank: {totals}, the ranks' shards together:"
+                f" {totals_global}); every rank must sample the same episodes — check that sampling is"
+                " deterministic on this hardware (same seeds, same weights)"
+            )
+
+    def _rank_generator(self) -> torch.Generator | None:
+        """Each rank draws its own auxiliary tokens (centered loss)."""
+        generator = self.generator
+        if generator is not None and self.rank > 0:
+            generator = torch.Generator().manual_seed((generator.initial_seed() * 1_000_003 + self.rank) % 2**63)
+        return generator
 
     def reduce_gradients(self) -> None:
         """Sum the accumulated gradients over ranks (once per optimizer step)."""
@@ -261,8 +301,81 @@ class DistributedTrainer(LocalTrainer):
             )
 
 
+def placeholder_row(like: Row) -> Row:
+    """A two-token row with no trained token: its loss, gradient and metric sums are 0."""
+    n = min(2, len(like.ids))
+    topk = (like.topk_ids[:n], like.topk_logprobs[:n]) if like.topk_ids is not None else (None, None)
+    return Row(like.ids[:n], [0] * n, [0.0] * n, like.behavior_logprobs[:n], like.turn, "", *topk)
+
+
+def lockstep_plan(rows: list[Row], cfg: RunConfig, rank: int, world: int) -> list[list[Row]]:
+    """This rank's micro-batches when every rank must run the same forwards and backwards (FSDP).
+
+    Every rank builds the same global plan from the whole batch: per turn index when
+    decomposing, rows longest first, in micro-batches of ``micro_batch_size × world`` rows;
+    rank r takes rows r, r + world, ... of each. A rank with no row in a micro-batch gets a
+    :func:`placeholder_row`. The real rows of all ranks' plans partition ``rows``.
+    """
+    size = cfg.train.micro_batch_size * world
+    plan = []
+    for group in pass_groups(rows, cfg.train.decompose_turns):
+        group = sorted(group, key=lambda r: (-len(r.ids), -sum(r.mask)))
+        for s in range(0, len(group), size):
+            chunk = group[s : s + size]
+            plan.append(chunk[rank::world] or [placeholder_row(chunk[0])])
+    return plan
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The model's repeated blocks: modules whose class is in ``_no_split_modules`` (or
+    ``$FSDP_TRANSFORMER_CLS_TO_WRAP``, comma-separated, as accelerate's config sets it)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = os.environ.get("FSDP_TRANSFORMER_CLS_TO_WRAP") or ",".join(getattr(base, "_no_split_modules", None) or [])
+    wanted = {n.strip() for n in names.split(",") if n.strip()}
+    layers = [m for m in base.modules() if type(m).__name__ in wanted]
+    if not layers:
+        raise ValueError(
+            f"FSDP: no decoder layers found in {type(base).__name__} (looked for {sorted(wanted) or 'nothing'});"
+            " set fsdp_transformer_layer_cls_to_wrap in the accelerate config to the model's layer class"
+        )
+    return layers
+
+
+class ShardedTrainer(DistributedTrainer):
+    """:class:`DistributedTrainer` with each decoder layer's frozen weights sharded over the ranks (FSDP2)."""
+
+    def __init__(self, model, cfg: RunConfig, pad_id: int) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        # one forward per micro-batch (the row-at-a-time path) keeps the ranks' gathers paired
+        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"shared_prefix": False})})
+        super().__init__(model, cfg, pad_id)
+        reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false"
+        for layer in decoder_layers(model):
+            trainable = {p for p in layer.parameters() if p.requires_grad}
+            fully_shard(layer, reshard_after_forward=reshard, ignored_params=trainable)
+
+    def forward_backward(self, rows: list[Row], totals: StepTotals) -> dict[str, float]:
+        plan = lockstep_plan(rows, self.cfg, self.rank, self.world)
+        shard = [r for mb in plan for r in mb if any(r.mask)]
+        self._check_shards(shard, totals)
+        sums = accumulate_gradients(
+            self.model,
+            shard,
+            self.cfg,
+            pad_id=self.pad_id,
+            totals=totals,
+            old_logprobs=self.old_logprobs,
+            generator=self._rank_generator(),
+            plan=plan,
+        )
+        self._reduced = False
+        return all_reduce_sums(sums, self.device)
+
+
 def make_trainer(model, cfg: RunConfig, pad_id: int) -> Trainer:
-    """The trainer for this process: :class:`DistributedTrainer` under a multi-process launch, else local."""
+    """The trainer for this process: :class:`ShardedTrainer` under an FSDP launch,
+    :class:`DistributedTrainer` under another multi-process launch, else local."""
     if active():
-        return DistributedTrainer(model, cfg, pad_id)
+        return (ShardedTrainer if fsdp_launched() else DistributedTrainer)(model, cfg, pad_id)
     return LocalTrainer(model, cfg, pad_id)

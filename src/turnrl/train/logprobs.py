@@ -74,12 +74,13 @@ def logprobs_from_hidden(
         pieces.append(lp)
         aux_pieces.append(alp)
     B, T = batch.input_ids.shape
-    flat = torch.cat(pieces) if pieces else h.new_zeros(0, dtype=torch.float32)
+    # no trained position: an empty slice of h, so the backward still runs through the model (FSDP lock-step)
+    flat = torch.cat(pieces) if pieces else h.float().sum(-1)
     logp = F.pad(torch.zeros(B, T - 1, dtype=torch.float32, device=h.device).masked_scatter(select, flat), (1, 0))
     aux_logp = None
     if aux_ids is not None:
         K = aux_ids.shape[-1]
-        flat_aux = torch.cat(aux_pieces) if aux_pieces else h.new_zeros(0, K, dtype=torch.float32)
+        flat_aux = torch.cat(aux_pieces) if aux_pieces else h.float().sum(-1, keepdim=True).expand(-1, K)
         aux_out = torch.zeros(B, T - 1, K, dtype=torch.float32, device=h.device)
         aux_out = aux_out.masked_scatter(select.unsqueeze(-1).expand(-1, -1, K), flat_aux)
         aux_logp = F.pad(aux_out, (0, 0, 1, 0))

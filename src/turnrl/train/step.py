@@ -60,6 +60,13 @@ def micro_batches(rows: list[Row], size: int) -> Iterator[list[Row]]:
         yield rows[s : s + size]
 
 
+def micro_batch_plan(rows: list[Row], cfg: RunConfig) -> list[list[Row]]:
+    """The micro-batches of one pass over ``rows``, in order: ``train.micro_batch_size`` rows each, per turn
+    index when decomposing."""
+    size = cfg.train.micro_batch_size
+    return [mb for group in pass_groups(rows, cfg.train.decompose_turns) for mb in micro_batches(group, size)]
+
+
 def logprob_function(cfg: RunConfig):
     """The log-prob path of ``cfg.train``: shared-prefix packing (default) or one row at a time."""
     if not cfg.train.shared_prefix:
@@ -81,64 +88,63 @@ def accumulate_gradients(
     totals: StepTotals | None = None,
     old_logprobs: dict[int, torch.Tensor] | None = None,
     generator: torch.Generator | None = None,
+    plan: list[list[Row]] | None = None,
 ) -> dict[str, float]:
     """Forward/backward over ``rows`` (micro-batched, per turn when decomposing); gradients accumulate.
 
     ``old_logprobs`` maps micro-batch number → the old policy's log-probs (for num_iterations > 1);
-    missing entries are filled in with the current (detached) log-probs.
+    missing entries are filled in with the current (detached) log-probs. ``plan`` replaces
+    :func:`micro_batch_plan` (the sharded trainer's lock-step micro-batches).
     """
     totals = totals or StepTotals.of(rows, cfg.sampler.max_tokens)
     logprobs = logprob_function(cfg)
     device = next(model.parameters()).device
     temperature = cfg.sampler.temperature or 1.0
     sums: dict[str, float] = defaultdict(float)
-    mb_index = 0
-    for group in pass_groups(rows, cfg.train.decompose_turns):
-        for mb in micro_batches(group, cfg.train.micro_batch_size):
-            batch = collate(mb, pad_id).to(device)
-            aux_ids = None
-            spec = cfg.loss.spec
-            if spec.num_aux is not None:
-                params = cfg.loss.params
-                if batch.topk_ids is None:
-                    raise ValueError(f"loss.type {cfg.loss.type} needs the sampler's top-k log-probs on every row")
-                aux_ids = losses.sample_aux_tokens(
-                    batch.topk_ids, batch.topk_logprobs, spec.num_aux(params), generator, top_k=spec.aux_top_k(params)
-                )
-            logp, aux_logp = logprobs(model, batch, cfg.train.logprob_chunk, temperature, aux_ids)
-            ref_logp = None
-            if cfg.loss.beta > 0:
-                with torch.no_grad(), model.disable_adapter():
-                    ref_logp, _ = logprobs(model, batch, cfg.train.logprob_chunk, temperature)
-            if old_logprobs is not None and mb_index in old_logprobs:
-                old = old_logprobs[mb_index]
-            else:
-                old = logp.detach()
-                if old_logprobs is not None:
-                    old_logprobs[mb_index] = old
-            per_token, metrics = losses.per_token_loss(
-                cfg.loss,
-                logp,
-                old,
-                batch.behavior_logprobs,
-                batch.advantages,
-                batch.loss_mask,
-                aux_logp=aux_logp,
-                ref_logp=ref_logp,
+    for mb_index, mb in enumerate(micro_batch_plan(rows, cfg) if plan is None else plan):
+        batch = collate(mb, pad_id).to(device)
+        aux_ids = None
+        spec = cfg.loss.spec
+        if spec.num_aux is not None:
+            params = cfg.loss.params
+            if batch.topk_ids is None:
+                raise ValueError(f"loss.type {cfg.loss.type} needs the sampler's top-k log-probs on every row")
+            aux_ids = losses.sample_aux_tokens(
+                batch.topk_ids, batch.topk_logprobs, spec.num_aux(params), generator, top_k=spec.aux_top_k(params)
             )
-            loss = losses.normalize(
-                per_token,
-                batch.loss_mask,
-                cfg.loss.norm,
-                total_tokens=totals.tokens,
-                total_rows=totals.rows,
-                max_len=totals.max_len,
-            )
-            loss.backward()
-            sums["loss"] += float(loss.detach())
-            for key, value in metrics.items():
-                sums[key] += float(value)
-            mb_index += 1
+        logp, aux_logp = logprobs(model, batch, cfg.train.logprob_chunk, temperature, aux_ids)
+        ref_logp = None
+        if cfg.loss.beta > 0:
+            with torch.no_grad(), model.disable_adapter():
+                ref_logp, _ = logprobs(model, batch, cfg.train.logprob_chunk, temperature)
+        if old_logprobs is not None and mb_index in old_logprobs:
+            old = old_logprobs[mb_index]
+        else:
+            old = logp.detach()
+            if old_logprobs is not None:
+                old_logprobs[mb_index] = old
+        per_token, metrics = losses.per_token_loss(
+            cfg.loss,
+            logp,
+            old,
+            batch.behavior_logprobs,
+            batch.advantages,
+            batch.loss_mask,
+            aux_logp=aux_logp,
+            ref_logp=ref_logp,
+        )
+        loss = losses.normalize(
+            per_token,
+            batch.loss_mask,
+            cfg.loss.norm,
+            total_tokens=totals.tokens,
+            total_rows=totals.rows,
+            max_len=totals.max_len,
+        )
+        loss.backward()
+        sums["loss"] += float(loss.detach())
+        for key, value in metrics.items():
+            sums[key] += float(value)
     return dict(sums)
 
 
