@@ -57,3 +57,66 @@ def test_stop_token_ends_the_sample_and_topk_is_returned(tiny_model, tokenizer):
         assert not any(t in stops for t in s.ids[:-1])
         assert len(s.topk_ids) == len(s.ids) and all(len(r) == 4 for r in s.topk_ids)
         assert all(r[0] >= r[-1] for r in s.topk_logprobs)
+
+
+def _next_turns(contexts, samples, seed):
+    """Each context extended by its sample and a few 'environment' tokens, as a multi-turn episode grows."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        c + s.ids + torch.randint(100, 4000, (2 + k % 5,), generator=g).tolist()
+        for k, (c, s) in enumerate(zip(contexts, samples, strict=True))
+    ]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_kept_keys_values_of_earlier_turns_change_nothing(tiny_model, tokenizer, temperature):
+    """Three turns: the sampler that feeds only each context's new tokens samples what a fresh one does."""
+    kept = HFSampler(tiny_model, tokenizer)
+    contexts = _contexts()
+    for turn in range(3):
+        params = SamplingParams(temperature=temperature, max_tokens=8, seed=3 + turn)
+        plain = HFSampler(tiny_model, tokenizer, reuse_kv_gib=0).sample(contexts, params)
+        got = kept.sample(contexts, params)
+        assert (kept.reused_tokens > 0) == (turn > 0)
+        if turn:  # every row reused its whole previous context and the tokens it sampled, but the last
+            assert kept.reused_tokens == sum(len(c) for c in previous) + sum(len(s.ids) - 1 for s in prev_samples)
+        for a, b in zip(plain, got, strict=True):
+            assert a.ids == b.ids and a.finish_reason == b.finish_reason
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+        previous, prev_samples = contexts, got
+        contexts = _next_turns(contexts, got, seed=turn)
+
+
+def test_kept_keys_values_are_dropped_when_the_weights_change(tiny_model, tokenizer):
+    sampler = HFSampler(tiny_model, tokenizer)
+    params = SamplingParams(temperature=1.0, max_tokens=6, seed=1)
+    contexts = _contexts()
+    samples = sampler.sample(contexts, params)
+    with torch.no_grad():  # an optimizer step updates the weights in place
+        next(p for p in tiny_model.parameters() if p.requires_grad).add_(0.01)
+    contexts = _next_turns(contexts, samples, seed=0)
+    samples = sampler.sample(contexts, params)
+    assert sampler.reused_tokens == 0
+    contexts = _next_turns(contexts, samples, seed=1)
+    sampler.sample(contexts, params)
+    assert sampler.reused_tokens > 0  # unchanged weights: reused
+    sampler.refresh()
+    sampler.sample(_next_turns(contexts, samples, seed=2), params)
+    assert sampler.reused_tokens == 0
+    off = HFSampler(tiny_model, tokenizer, reuse_kv_gib=0)
+    off.sample(contexts, params)
+    off.sample(_next_turns(contexts, samples, seed=3), params)
+    assert off.reused_tokens == 0 and not off._pasts
+
+
+def test_a_context_without_a_kept_past_falls_back_to_the_shared_prefix(tiny_model, tokenizer):
+    sampler = HFSampler(tiny_model, tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=6, seed=1)
+    contexts = _contexts()
+    samples = sampler.sample(contexts, params)
+    mixed = [*_next_turns(contexts, samples, seed=0)[:3], _contexts(shared=40, tails=(7,))[0][:5] + [9] * 30]
+    got = sampler.sample(mixed, params)
+    assert sampler.reused_tokens == 0
+    assert [s.ids for s in got] == [
+        s.ids for s in HFSampler(tiny_model, tokenizer, reuse_kv_gib=0).sample(mixed, params)
+    ]

@@ -28,16 +28,16 @@ class SamplerSpec:
     """Generates with the trainer's own module (no stale-sampler correction needed when fresh)."""
 
 
-SAMPLERS: dict[str, SamplerSpec] = {
-    "hf": SamplerSpec("turnrl.sampling.hf:HFSampler.from_config"),
-}
+SAMPLERS: dict[str, SamplerSpec] = {}
 
 
 def _register_builtin_backends() -> None:
-    """``openai`` and ``vllm``: their modules import no optional dependency at import time."""
+    """``hf``, ``openai`` and ``vllm``: their modules import no optional dependency at import time."""
+    from turnrl.sampling.hf import HFSamplerParams
     from turnrl.sampling.openai import OpenAISamplerParams
     from turnrl.sampling.vllm import VLLMSamplerParams
 
+    SAMPLERS["hf"] = SamplerSpec("turnrl.sampling.hf:HFSampler.from_config", HFSamplerParams)
     SAMPLERS["openai"] = SamplerSpec(
         "turnrl.sampling.openai:OpenAISampler.from_config", OpenAISamplerParams, shares_weights=False
     )

@@ -11,6 +11,16 @@ the longest common prefix is run once and its key/value cache is repeated for th
 batch; each row's remaining tokens follow, left-padded after the prefix (the
 attention mask skips the padding, so positions stay those of the unpadded row).
 
+Earlier turns (``sampler.reuse_kv_gib``, on by default): after each call the
+sampler keeps every context's own keys/values (the context plus the sampled
+tokens it fed), up to a memory budget, until the next call. A multi-turn episode's
+next context extends its last one, so the next call finds, for each context, the
+kept sequence sharing its longest prefix and feeds only the rest: earlier turns are
+not run again. The kept keys/values are right-aligned in one batch cache, the left
+padding masked, so positions are those of the unpadded rows (the same layout as the
+shared prefix). Kept keys/values are dropped when the weights change (a refresh, or
+any in-place update of the trainable tensors, seen by their version counters).
+
 Staleness: with ``stale=True`` the sampler keeps its own snapshot of the
 trainable (LoRA) weights, taken at each :meth:`refresh`, and swaps it in while
 generating, so rollouts come from the policy of the last refresh
@@ -19,11 +29,51 @@ generating, so rollouts come from the policy of the last refresh
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import torch
+from pydantic import Field
 
 from turnrl.chat import end_of_turn_ids
 from turnrl.models import CACHE_KWARG
+from turnrl.sampling.base import SamplerParams
 from turnrl.types import Message, Sample, SamplingParams
+
+
+class HFSamplerParams(SamplerParams):
+    """``sampler.*`` keys of ``backend: hf``."""
+
+    reuse_kv_gib: float = Field(2.0, ge=0)
+    """GiB of keys/values kept between calls so a context's next turn does not rerun its
+    earlier turns (0: off)."""
+
+
+@dataclass
+class _Past:
+    """One context's own keys/values, kept from a call: the tokens fed, per layer ``[H, L, D]`` keys and values."""
+
+    ids: np.ndarray
+    kv: list[tuple[torch.Tensor, torch.Tensor]]
+
+
+def _layer_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (keys, values), each ``[B, H, T, D]``, of a transformers cache."""
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _longest_match(ctx: np.ndarray, pasts: list[_Past]) -> tuple[_Past | None, int]:
+    """The kept past sharing the longest prefix with ``ctx`` (at most ``len(ctx) − 1`` tokens), and that length."""
+    best, best_m = None, 0
+    for past in pasts:
+        n = min(len(past.ids), len(ctx) - 1)
+        if n <= best_m:
+            continue
+        same = past.ids[:n] == ctx[:n]
+        m = n if same.all() else int(same.argmin())
+        if m > best_m:
+            best, best_m = past, m
+    return best, best_m
 
 
 def common_prefix_length(rows: list[list[int]]) -> int:
@@ -39,11 +89,24 @@ class HFSampler:
     MIN_SHARED_PREFIX = 16
     """Shorter common prefixes are not worth a separate forward pass."""
 
-    def __init__(self, model, tokenizer, batch_size: int = 32, stale: bool = False, prefix_cache: bool = True) -> None:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        batch_size: int = 32,
+        stale: bool = False,
+        prefix_cache: bool = True,
+        reuse_kv_gib: float = 2.0,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.prefix_cache = prefix_cache
+        self.reuse_kv_bytes = int(reuse_kv_gib * 2**30)
+        self._pasts: list[_Past] = []
+        self._pasts_key: tuple | None = None
+        self.reused_tokens = 0
+        """Context tokens the last :meth:`sample` call took from kept keys/values instead of running them."""
         self.stop_ids = end_of_turn_ids(tokenizer)
         self.policy_version = 0
         self._snapshot: dict[str, torch.Tensor] | None = None
@@ -53,7 +116,7 @@ class HFSampler:
     @classmethod
     def from_config(cls, model, tokenizer, cfg, *, stale: bool = False) -> HFSampler:
         """The ``hf`` entry of the sampler registry (``cfg`` = the ``sampler`` config section)."""
-        return cls(model, tokenizer, batch_size=cfg.batch_size, stale=stale)
+        return cls(model, tokenizer, batch_size=cfg.batch_size, stale=stale, reuse_kv_gib=cfg.params.reuse_kv_gib)
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
@@ -84,6 +147,9 @@ class HFSampler:
     ) -> list[Sample]:
         out: list[Sample] = []
         params_by_name = dict(self.model.named_parameters())
+        weights_key = (self.policy_version, *(p._version for p in params_by_name.values() if p.requires_grad))
+        previous = self._pasts if weights_key == self._pasts_key else []
+        self._pasts, self._pasts_key, self.reused_tokens = [], weights_key, 0
         current = None
         if self._snapshot is not None:  # swap the stale weights in for generation
             current = {n: params_by_name[n].detach().clone() for n in self._snapshot}
@@ -94,7 +160,7 @@ class HFSampler:
         try:
             for start in range(0, len(contexts), self.batch_size):
                 chunk = contexts[start : start + self.batch_size]
-                out += self._generate(chunk, params, seed=params.seed * 100_003 + start)
+                out += self._generate(chunk, params, seed=params.seed * 100_003 + start, previous=previous)
         finally:
             if current is not None:
                 for n, t in current.items():
@@ -102,25 +168,37 @@ class HFSampler:
             self.model.train(was_training)
         return out
 
-    def _generate(self, contexts: list[list[int]], params: SamplingParams, seed: int) -> list[Sample]:
+    def _generate(
+        self, contexts: list[list[int]], params: SamplingParams, seed: int, previous: list[_Past]
+    ) -> list[Sample]:
         device = next(self.model.parameters()).device
         pad = self.tokenizer.pad_token_id
-        shared = common_prefix_length(contexts) if self.prefix_cache and len(contexts) > 1 else 0
-        shared = min(shared, min(len(c) for c in contexts) - 1)  # every row keeps >= 1 token to feed
-        if shared < self.MIN_SHARED_PREFIX:
-            shared = 0
-        suffix_width = max(len(c) - shared for c in contexts)
-        width = shared + suffix_width
+        arrays = [np.asarray(c, dtype=np.int64) for c in contexts]
+        matches = [_longest_match(a, previous) for a in arrays] if previous else []
+        extra = {}
+        reuse = bool(matches) and all(m >= self.MIN_SHARED_PREFIX for _, m in matches)
+        if reuse:  # every row continues a kept past
+            cached = [m for _, m in matches]
+            self.reused_tokens += sum(cached)
+        else:  # the prefix every row shares, run once
+            shared = common_prefix_length(contexts) if self.prefix_cache and len(contexts) > 1 else 0
+            shared = min(shared, min(len(c) for c in contexts) - 1)  # every row keeps >= 1 token to feed
+            cached = [shared if shared >= self.MIN_SHARED_PREFIX else 0] * len(contexts)
+        cache_width = max(cached)
+        suffix_width = max(len(c) - k for c, k in zip(contexts, cached, strict=True))
+        width = cache_width + suffix_width
         input_ids = torch.full((len(contexts), width), pad, dtype=torch.long)
         attention = torch.zeros((len(contexts), width), dtype=torch.long)
-        for row, ctx in enumerate(contexts):  # [shared prefix | left padding | rest of the row]
-            input_ids[row, :shared] = torch.tensor(ctx[:shared], dtype=torch.long)
-            attention[row, :shared] = 1
-            input_ids[row, width - (len(ctx) - shared) :] = torch.tensor(ctx[shared:], dtype=torch.long)
-            attention[row, width - (len(ctx) - shared) :] = 1
-        extra = {}
-        if shared:
-            prefix = self.model(input_ids=input_ids[:1, :shared].to(device), use_cache=True)
+        for row, (ctx, k) in enumerate(zip(contexts, cached, strict=True)):
+            # [left padding | cached tokens | left padding | rest of the row]: masked padding, unpadded positions
+            input_ids[row, cache_width - k : cache_width] = torch.tensor(ctx[:k], dtype=torch.long)
+            attention[row, cache_width - k : cache_width] = 1
+            input_ids[row, width - (len(ctx) - k) :] = torch.tensor(ctx[k:], dtype=torch.long)
+            attention[row, width - (len(ctx) - k) :] = 1
+        if reuse:
+            extra[CACHE_KWARG] = self._assemble(matches, cache_width, device)
+        elif cache_width:
+            prefix = self.model(input_ids=input_ids[:1, :cache_width].to(device), use_cache=True)
             cache = getattr(prefix, CACHE_KWARG)
             cache.batch_repeat_interleave(len(contexts))
             extra[CACHE_KWARG] = cache
@@ -157,4 +235,38 @@ class HFSampler:
                 vals, idx = lp_rows.topk(params.top_k_logprobs, dim=-1)
                 topk_ids, topk_lps = idx.tolist(), vals.tolist()
             samples.append(Sample(ids, [min(lp, 0.0) for lp in lps], finish, topk_ids, topk_lps))
+        if self.reuse_kv_bytes:
+            self._remember(arrays, samples, getattr(gen, CACHE_KWARG), attention, width)
         return samples
+
+    def _assemble(self, matches: list[tuple[_Past, int]], width: int, device) -> object:
+        """One batch cache of ``width`` positions: row r's kept keys/values (its first m_r) right-aligned."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        for layer in range(len(matches[0][0].kv)):
+            k0 = matches[0][0].kv[layer][0]
+            keys = k0.new_zeros(len(matches), k0.shape[0], width, k0.shape[2], device=device)
+            values = torch.zeros_like(keys)
+            for row, (past, m) in enumerate(matches):
+                keys[row, :, width - m :] = past.kv[layer][0][:, :m]
+                values[row, :, width - m :] = past.kv[layer][1][:, :m]
+            cache.update(keys, values, layer)
+        return cache
+
+    def _remember(self, contexts: list[np.ndarray], samples: list[Sample], cache, attention, width: int) -> None:
+        """Keep each row's own keys/values (its context and the sampled tokens it fed), within the budget."""
+        if any(getattr(cache, "is_sliding", None) or []):  # a sliding-window layer keeps only its window
+            return
+        layers = _layer_kv(cache)
+        used = sum(k.numel() * k.element_size() * 2 for p in self._pasts for k, _ in p.kv)
+        for row, (ctx, sample) in enumerate(zip(contexts, samples, strict=True)):
+            fed = len(sample.ids) - 1  # the last sampled token was never fed
+            cols = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + fed)])
+            cols = cols.to(layers[0][0].device)
+            kv = [(k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in layers]
+            size = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
+            if used + size > self.reuse_kv_bytes:
+                return
+            used += size
+            self._pasts.append(_Past(np.concatenate([ctx, np.asarray(sample.ids[:fed], dtype=np.int64)]), kv))

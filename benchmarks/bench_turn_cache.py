@@ -1,0 +1,70 @@
+"""Collection with and without the HF sampler's kept keys/values of earlier turns, same process, interleaved.
+
+One training batch of the main job (``configs/number_guess_cpu.yaml``: 3 tasks × 8 games
+of number guessing, up to 7 turns, the embedded model with its fresh LoRA) is collected
+by ``HFSampler`` with ``reuse_kv_gib`` 2 (each turn feeds only its new tokens) and 0
+(each turn reruns the episode's earlier turns after the shared prompt), alternating,
+``--rounds`` times each. Prints the median seconds, the ratio, the context tokens
+reused, and whether both collected the same episodes token for token (same seeds).
+Run: ``python benchmarks/bench_turn_cache.py [--rounds 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from turnrl.chat import ChatTemplate
+from turnrl.config import load_config
+from turnrl.eval import load_tasks
+from turnrl.sampling.hf import HFSampler
+from turnrl.train.checkpoint import RunState
+from turnrl.train.loop import collect_batch
+from turnrl.train.policy import build_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs/number_guess_cpu.yaml"))
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    model, tok = build_policy(cfg, None, 0)
+    chat = ChatTemplate(tok, cfg.model.chat_template_kwargs, exclude_think=cfg.credit.exclude_think)
+    tasks = load_tasks(cfg, "train")
+    times: dict[float, list[float]] = {2.0: [], 0.0: []}
+    episodes, reused = {}, {}
+    for _ in range(args.rounds):
+        for gib in (2.0, 0.0):
+            sampler = HFSampler(model, tok, batch_size=cfg.sampler.batch_size, reuse_kv_gib=gib)
+            counted = []
+            sample = sampler.sample
+
+            def counting(*a, _sample=sample, _sampler=sampler, _counted=counted, **k):
+                out = _sample(*a, **k)
+                _counted.append(_sampler.reused_tokens)
+                return out
+
+            sampler.sample = counting
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            eps, _ = collect_batch(cfg, tasks, RunState(), sampler, chat)
+            times[gib].append(time.perf_counter() - t0)
+            episodes[gib] = [[t.action_ids for t in ep.turns] for ep in eps]
+            reused[gib] = sum(counted)
+    on, off = statistics.median(times[2.0]), statistics.median(times[0.0])
+    turns = sum(len(e) for e in episodes[2.0])
+    print(f"{len(episodes[2.0])} episodes, {turns} turns (embedded model, CPU, {torch.get_num_threads()} threads)")
+    print(f"kept keys/values: {on:.1f} s   rerun earlier turns: {off:.1f} s   speed-up: {off / on:.2f}x")
+    print(f"context tokens taken from kept keys/values: {reused[2.0]}")
+    print(f"same episodes token for token: {episodes[2.0] == episodes[0.0]}")
+
+
+if __name__ == "__main__":
+    main()
