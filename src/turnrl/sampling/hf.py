@@ -36,7 +36,6 @@ import torch
 from pydantic import Field
 
 from turnrl.chat import end_of_turn_ids
-from turnrl.models import CACHE_KWARG
 from turnrl.sampling.base import SamplerParams
 from turnrl.types import Message, Sample, SamplingParams
 
@@ -171,6 +170,8 @@ class HFSampler:
     def _generate(
         self, contexts: list[list[int]], params: SamplingParams, seed: int, previous: list[_Past]
     ) -> list[Sample]:
+        from turnrl.models import CACHE_KWARG  # not at import: turnrl.models -> config -> this registry
+
         device = next(self.model.parameters()).device
         pad = self.tokenizer.pad_token_id
         arrays = [np.asarray(c, dtype=np.int64) for c in contexts]
