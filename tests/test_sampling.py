@@ -73,6 +73,7 @@ def test_kept_keys_values_of_earlier_turns_change_nothing(tiny_model, tokenizer,
     """Three turns: the sampler that feeds only each context's new tokens samples what a fresh one does."""
     kept = HFSampler(tiny_model, tokenizer)
     contexts = _contexts()
+    previous, prev_samples = [], []
     for turn in range(3):
         params = SamplingParams(temperature=temperature, max_tokens=8, seed=3 + turn)
         plain = HFSampler(tiny_model, tokenizer, reuse_kv_gib=0).sample(contexts, params)
