@@ -223,12 +223,16 @@ class DistributedTrainer(LocalTrainer):
             for p in self.params:
                 torch.distributed.broadcast(p.data, src=0)
 
+    def shard(self, rows: list[Row]) -> tuple[list[Row], list[list[Row]] | None]:
+        """This rank's rows and their micro-batches (None: the usual :func:`micro_batch_plan` of them)."""
+        return shard_rows(rows, self.rank, self.world), None
+
     def forward_backward(self, rows: list[Row], totals: StepTotals) -> dict[str, float]:
         """``rows`` is the whole batch (the same on every rank); this rank trains on its shard of it."""
-        shard = shard_rows(rows, self.rank, self.world)
+        shard, plan = self.shard(rows)
         self._check_shards(shard, totals)
         sums: dict[str, float] = {}
-        if shard:
+        if shard or plan:
             sums = accumulate_gradients(
                 self.model,
                 shard,
@@ -237,6 +241,7 @@ class DistributedTrainer(LocalTrainer):
                 totals=totals,
                 old_logprobs=self.old_logprobs,
                 generator=self._rank_generator(),
+                plan=plan,
             )
         self._reduced = False
         return all_reduce_sums(sums, self.device)
@@ -355,22 +360,10 @@ class ShardedTrainer(DistributedTrainer):
             trainable = {p for p in layer.parameters() if p.requires_grad}
             fully_shard(layer, reshard_after_forward=reshard, ignored_params=trainable)
 
-    def forward_backward(self, rows: list[Row], totals: StepTotals) -> dict[str, float]:
+    def shard(self, rows: list[Row]) -> tuple[list[Row], list[list[Row]] | None]:
+        """This rank's share of the :func:`lockstep_plan` (placeholder rows are not in the shard)."""
         plan = lockstep_plan(rows, self.cfg, self.rank, self.world)
-        shard = [r for mb in plan for r in mb if any(r.mask)]
-        self._check_shards(shard, totals)
-        sums = accumulate_gradients(
-            self.model,
-            shard,
-            self.cfg,
-            pad_id=self.pad_id,
-            totals=totals,
-            old_logprobs=self.old_logprobs,
-            generator=self._rank_generator(),
-            plan=plan,
-        )
-        self._reduced = False
-        return all_reduce_sums(sums, self.device)
+        return [r for mb in plan for r in mb if any(r.mask)], plan
 
 
 def make_trainer(model, cfg: RunConfig, pad_id: int) -> Trainer:
