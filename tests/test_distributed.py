@@ -360,33 +360,26 @@ def test_killed_two_process_run_resumes_to_the_uninterrupted_one(two_process_run
     assert "already holds a run" in again.stdout and "Traceback" not in again.stdout + again.stderr
 
 
+def _cli_train(tmp_path, *extra: str, world: str | None) -> subprocess.CompletedProcess:
+    """``turnrl train`` in a subprocess, as a rank of a launch of ``world`` processes (None: no launcher)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
+    env.pop("WORLD_SIZE", None)
+    if world is not None:
+        env["WORLD_SIZE"] = world
+    cmd = [sys.executable, "-m", "turnrl", "train", str(_config(tmp_path, "x")), *extra]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+
+
 def test_processes_must_match_the_launcher(tmp_path):
-    env = {
-        **os.environ,
-        "WORLD_SIZE": "3",
-        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(HERE), os.environ.get("PYTHONPATH", "")]),
-    }
-    result = subprocess.run(
-        [sys.executable, "-m", "turnrl", "train", str(_config(tmp_path, "x")), "--processes", "2"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = _cli_train(tmp_path, "--processes", "2", world="3")
     assert result.returncode == 2
     assert "--processes 2" in result.stdout and "3 processes" in result.stdout
 
 
 def test_fsdp_flag_needs_processes_and_a_matching_launch(tmp_path):
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    env.pop("WORLD_SIZE", None)
-    cmd = [sys.executable, "-m", "turnrl", "train", str(_config(tmp_path, "x"))]
-    alone = subprocess.run([*cmd, "--fsdp"], env=env, capture_output=True, text=True, timeout=120)
+    alone = _cli_train(tmp_path, "--fsdp", world=None)
     assert alone.returncode == 2 and "--processes N" in alone.stdout
-    env.update(WORLD_SIZE="2")  # a rank of a launch without FSDP
-    mismatch = subprocess.run(
-        [*cmd, "--processes", "2", "--fsdp"], env=env, capture_output=True, text=True, timeout=120
-    )
+    mismatch = _cli_train(tmp_path, "--processes", "2", "--fsdp", world="2")  # a rank of a launch without FSDP
     assert mismatch.returncode == 2 and "without FSDP" in mismatch.stdout
 
 

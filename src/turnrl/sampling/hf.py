@@ -55,6 +55,10 @@ class _Past:
     ids: np.ndarray
     kv: list[tuple[torch.Tensor, torch.Tensor]]
 
+    @property
+    def nbytes(self) -> int:
+        return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
+
 
 def _layer_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values), each ``[B, H, T, D]``, of a transformers cache."""
@@ -260,14 +264,14 @@ class HFSampler:
         if any(getattr(cache, "is_sliding", None) or []):  # a sliding-window layer keeps only its window
             return
         layers = _layer_kv(cache)
-        used = sum(k.numel() * k.element_size() * 2 for p in self._pasts for k, _ in p.kv)
+        used = sum(p.nbytes for p in self._pasts)
         for row, (ctx, sample) in enumerate(zip(contexts, samples, strict=True)):
             fed = len(sample.ids) - 1  # the last sampled token was never fed
             cols = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + fed)])
             cols = cols.to(layers[0][0].device)
             kv = [(k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in layers]
-            size = sum(k.numel() * k.element_size() * 2 for k, _ in kv)
-            if used + size > self.reuse_kv_bytes:
+            past = _Past(np.concatenate([ctx, np.asarray(sample.ids[:fed], dtype=np.int64)]), kv)
+            if used + past.nbytes > self.reuse_kv_bytes:
                 return
-            used += size
-            self._pasts.append(_Past(np.concatenate([ctx, np.asarray(sample.ids[:fed], dtype=np.int64)]), kv))
+            used += past.nbytes
+            self._pasts.append(past)

@@ -71,7 +71,14 @@ import torch
 
 from turnrl.config import RunConfig
 from turnrl.train.batch import Row
-from turnrl.train.step import LocalTrainer, StepTotals, Trainer, accumulate_gradients, pass_groups
+from turnrl.train.step import (
+    LocalTrainer,
+    StepTotals,
+    Trainer,
+    accumulate_gradients,
+    micro_batches,
+    pass_groups,
+)
 
 
 def launched_world_size() -> int:
@@ -325,8 +332,7 @@ def lockstep_plan(rows: list[Row], cfg: RunConfig, rank: int, world: int) -> lis
     plan = []
     for group in pass_groups(rows, cfg.train.decompose_turns):
         group = sorted(group, key=lambda r: (-len(r.ids), -sum(r.mask)))
-        for s in range(0, len(group), size):
-            chunk = group[s : s + size]
+        for chunk in micro_batches(group, size):
             plan.append(chunk[rank::world] or [placeholder_row(chunk[0])])
     return plan
 
