@@ -83,7 +83,7 @@ def run_variant(packed: bool, args) -> dict:
     _reset_peak()
     before = _status_kib("VmRSS")
     t0, c0 = time.perf_counter(), time.process_time()
-    step_mod.accumulate_gradients(model, rows, cfg, pad_id=tok.pad_token_id)
+    step_mod.accumulate_gradients(model, rows, step_mod.StepSettings.from_config(cfg), pad_id=tok.pad_token_id)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     return {
         "seconds": seconds,

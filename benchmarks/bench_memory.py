@@ -96,7 +96,7 @@ def run_variant(mode: str, logprobs: str, gc: bool, batch: int, prompt: int, act
     _reset_peak()
     t0 = time.perf_counter()
     model.zero_grad()
-    step_mod.accumulate_gradients(model, rows, cfg, pad_id=2)
+    step_mod.accumulate_gradients(model, rows, step_mod.StepSettings.from_config(cfg), pad_id=2)
     seconds = time.perf_counter() - t0
     peak = _status_kib("VmHWM")
     return {

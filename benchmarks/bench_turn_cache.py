@@ -20,11 +20,12 @@ import torch
 
 from turnrl.chat import ChatTemplate
 from turnrl.config import load_config
-from turnrl.eval import load_tasks
+from turnrl.envs.splits import TaskSource
 from turnrl.sampling.hf import HFSampler
 from turnrl.train.checkpoint import RunState
 from turnrl.train.loop import collect_batch
-from turnrl.train.policy import build_policy
+from turnrl.train.policy import PolicySettings, build_policy
+from turnrl.train.run import RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,9 +36,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
     cfg = load_config(args.config)
-    model, tok = build_policy(cfg, None, 0)
+    model, tok = build_policy(PolicySettings.from_config(cfg), None, 0)
     chat = ChatTemplate(tok, cfg.model.chat_template_kwargs, exclude_think=cfg.credit.exclude_think)
-    tasks = load_tasks(cfg, "train")
+    tasks = TaskSource.from_config(cfg).tasks("train")
     times: dict[float, list[float]] = {2.0: [], 0.0: []}
     episodes, reused = {}, {}
     for _ in range(args.rounds):
@@ -54,7 +55,7 @@ def main() -> None:
             sampler.sample = counting
             torch.manual_seed(0)
             t0 = time.perf_counter()
-            eps, _ = collect_batch(cfg, tasks, RunState(), sampler, chat)
+            eps, _ = collect_batch(RunSettings.from_config(cfg), tasks, RunState(), sampler, chat)
             times[gib].append(time.perf_counter() - t0)
             episodes[gib] = [[t.action_ids for t in ep.turns] for ep in eps]
             reused[gib] = sum(counted)

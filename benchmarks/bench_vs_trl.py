@@ -34,6 +34,7 @@ Run: ``PYTHONPATH=src python benchmarks/bench_vs_trl.py [--rounds 3] [--full-ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import tempfile
@@ -154,12 +155,15 @@ class TurnrlTrainer:
                 "sampler": {"max_tokens": 16},
             }
         )
-        self.trainer = step_mod.LocalTrainer(self.model, self.cfg, pad_id=self.tok.pad_token_id)
+        self.trainer = step_mod.LocalTrainer(
+            self.model, step_mod.StepSettings.from_config(self.cfg), pad_id=self.tok.pad_token_id
+        )
 
     def step(self, rows: list[Row], packed: bool) -> tuple[float, float]:
-        self.cfg.train.shared_prefix = packed  # the config switch: packed (default) or per-row
+        # the config switch train.shared_prefix: packed (default) or per-row
+        self.trainer.settings = dataclasses.replace(self.trainer.settings, shared_prefix=packed)
         t, c = time.perf_counter(), time.process_time()
-        step_mod.update(self.trainer, rows, self.cfg)
+        step_mod.update(self.trainer, rows, self.trainer.settings)
         return time.perf_counter() - t, time.process_time() - c
 
 

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 import turnrl.models as models  # noqa: E402
-import turnrl.train.loop as loop  # noqa: E402
+import turnrl.train.run as run_mod  # noqa: E402
 from toy_envs import CountEnv  # noqa: E402
 from turnrl.envs import register_env  # noqa: E402
 from turnrl.tracking import MultiSink  # noqa: E402
@@ -68,7 +68,7 @@ def _install(event: str, n: int) -> None:
 
         models.save_adapter = save_adapter
     elif event == "rollouts":
-        real_write = loop.write_jsonl
+        real_write = run_mod.write_jsonl
 
         def write_jsonl(path, records, append=False):
             if append and hit():
@@ -77,7 +77,7 @@ def _install(event: str, n: int) -> None:
                 _die()
             return real_write(path, records, append=append)
 
-        loop.write_jsonl = write_jsonl
+        run_mod.write_jsonl = write_jsonl
     else:
         raise SystemExit(f"unknown KILL_AT event {event}")
 

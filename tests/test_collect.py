@@ -9,7 +9,7 @@ from turnrl.chat import ChatTemplate, render_ids
 from turnrl.config import LoraConfig
 from turnrl.envs import StopReason, register_env
 from turnrl.models import attach_lora
-from turnrl.rollout.collect import collect
+from turnrl.rollout.collect import RolloutSettings, collect
 from turnrl.sampling.hf import HFSampler
 from turnrl.types import SamplingParams, loss_mask
 
@@ -139,7 +139,7 @@ def test_collector_limit_truncates(tiny_model, tokenizer):
         ChatTemplate(tokenizer),
         SamplingParams(max_tokens=3),
         [2],
-        max_turns=2,
+        RolloutSettings(max_turns=2),
     )
     for ep in episodes:
         assert ep.num_turns == 2 and ep.truncated and not ep.terminated
@@ -162,7 +162,7 @@ def test_potential_shaping_rewards(tiny_model, tokenizer):
         ChatTemplate(tokenizer),
         SamplingParams(max_tokens=3, seed=5),
         [1],
-        shaping_gamma=gamma,
+        RolloutSettings(shaping_gamma=gamma),
     )[0]
     # Φ after turn k is k/3, Φ(s0) = 0 and Φ(terminal) = 0: r' = r + γΦ(s') − Φ(s)
     phis = [0.0, 1 / 3, 2 / 3, 0.0]

@@ -17,14 +17,14 @@ RUN_CONFIGS = sorted(p for p in (ROOT / "configs").glob("*.yaml") if not p.name.
 def test_shipped_config_is_valid_and_its_tasks_load(path):
     """Validates, names a registered environment and plug-ins, and its train/eval tasks load and build."""
     from turnrl.envs import get_env_class, make_env
-    from turnrl.eval import load_tasks
+    from turnrl.envs.splits import TaskSource
 
     cfg = load_config(path)
     assert cfg.run_name == path.stem  # a run directory named after its config
     get_env_class(cfg.env.name)
     assert cfg.credit.spec and cfg.loss.spec and cfg.sampler.spec
     for split in ("train", "eval"):
-        tasks = load_tasks(cfg, split)
+        tasks = TaskSource.from_config(cfg).tasks(split)
         assert tasks, split
         assert {t.env for t in tasks} == {cfg.env.name}, split
     opts = dict(cfg.env.options)

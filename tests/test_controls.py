@@ -18,13 +18,13 @@ from turnrl.credit import reward_metrics
 from turnrl.envs import ENV_REGISTRY, register_env
 from turnrl.losses import mismatch_weights
 from turnrl.models import attach_lora
-from turnrl.rollout.collect import collect, mask_truncated_turns
+from turnrl.rollout.collect import RolloutSettings, collect, mask_truncated_turns
 from turnrl.rundir import RunDir, read_jsonl
 from turnrl.sampling import SamplerSpec
 from turnrl.sampling.scripted import ScriptedSampler
 from turnrl.tracking import read_csv
 from turnrl.train.loop import train
-from turnrl.train.step import LocalTrainer, make_scheduler
+from turnrl.train.step import LocalTrainer, StepSettings, make_scheduler
 from turnrl.types import Episode, Sample, SamplingParams, StopReason, Task
 
 PARAMS = SamplingParams(temperature=1.0, max_tokens=6, seed=0)
@@ -89,7 +89,7 @@ def test_context_limit_cuts_the_action_and_skips_the_env(tokenizer):
         chat,
         PARAMS,
         [1],
-        max_context_tokens=n0 + n_reply - 3,
+        RolloutSettings(max_context_tokens=n0 + n_reply - 3),
     )
     (turn,) = ep.turns
     assert len(turn.action_ids) == n_reply - 3 and turn.finish_reason == "length" and turn.reward == 0.0
@@ -101,7 +101,7 @@ def test_context_limit_cuts_the_action_and_skips_the_env(tokenizer):
             chat,
             PARAMS,
             [1],
-            max_context_tokens=n0,
+            RolloutSettings(max_context_tokens=n0),
         )
 
 
@@ -113,7 +113,7 @@ def test_truncated_completion_reward_and_mask(tokenizer):
         ChatTemplate(tokenizer),
         PARAMS,
         [2],
-        truncated_reward=-1.0,
+        RolloutSettings(truncated_reward=-1.0),
     )
     # episode 0 had a length-cut turn: its reward is replaced (on the last turn); episode 1 keeps its own
     assert eps[0].reward == -1.0 and [t.reward for t in eps[0].turns] == [0.0, 0.0, -1.0]
@@ -146,7 +146,7 @@ def test_control_fields_are_validated(tmp_path):
 def test_lr_schedule_with_warmup_by_hand(tmp_path, name, expected):
     cfg = _base(tmp_path, "lr", train={"lr": 1.0, "steps": 6, "warmup_steps": 2, "lr_scheduler": name})
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=cfg.train.lr)
-    sched = make_scheduler(opt, cfg)
+    sched = make_scheduler(opt, StepSettings.from_config(cfg))
     used = []
     for _ in range(6):
         used.append(opt.param_groups[0]["lr"])
@@ -158,12 +158,12 @@ def test_lr_schedule_with_warmup_by_hand(tmp_path, name, expected):
 def test_local_trainer_steps_and_restores_the_schedule(tmp_path, tiny_model):
     cfg = _base(tmp_path, "lr", train={"lr": 1.0, "steps": 6, "warmup_steps": 2, "lr_scheduler": "linear"})
     model = attach_lora(tiny_model, LoraConfig(r=2, alpha=4))
-    trainer = LocalTrainer(model, cfg, pad_id=0)
+    trainer = LocalTrainer(model, StepSettings.from_config(cfg), pad_id=0)
     for _ in range(3):
         trainer.optim_step()
     assert trainer.last_lr == 1.0  # the lr of step 3 (0, 0.5, 1.0)
     state = trainer.state_dict()
-    again = LocalTrainer(model, cfg, pad_id=0)
+    again = LocalTrainer(model, StepSettings.from_config(cfg), pad_id=0)
     again.load_state_dict(state)
     again.optim_step()
     assert again.last_lr == pytest.approx(0.75)

@@ -34,7 +34,7 @@ S = math.sqrt
 
 def assign_credit(episodes, cfg) -> SimpleNamespace:
     """turnrl's assign_credit (which writes Turn.advantage), with the advantages read back."""
-    metrics = credit.assign_credit(episodes, cfg)
+    metrics = credit.assign_credit(episodes, credit.CreditSettings.from_config(cfg))
     return SimpleNamespace(advantages=advantages_of(episodes), metrics=metrics)
 
 

@@ -37,8 +37,8 @@ from turnrl.train.distributed import (
     make_trainer,
     shard_rows,
 )
-from turnrl.train.policy import build_policy
-from turnrl.train.step import LocalTrainer, StepTotals, accumulate_gradients, update
+from turnrl.train.policy import PolicySettings, build_policy
+from turnrl.train.step import LocalTrainer, StepSettings, StepTotals, accumulate_gradients, update
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
@@ -80,7 +80,7 @@ def _one_step(trainer, cfg, rows) -> dict:
     grads = {n: p.grad.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
     trainer.optimizer.zero_grad(set_to_none=True)
     trainer._reduced = False
-    metrics = update(trainer, rows, cfg)
+    metrics = update(trainer, rows, StepSettings.from_config(cfg))
     out = {
         "sums": sums,
         "grads": grads,
@@ -108,8 +108,8 @@ def _worker(rank: int, world: int, port: int, out: str, names: list[str], fsdp: 
     results = {}
     for name in names:
         cfg, rows = _case(name)
-        model, tok = build_policy(cfg, None, 0)
-        trainer = make_trainer(model, cfg, tok.pad_token_id)
+        model, tok = build_policy(PolicySettings.from_config(cfg), None, 0)
+        trainer = make_trainer(model, StepSettings.from_config(cfg), tok.pad_token_id)
         assert type(trainer) is (ShardedTrainer if fsdp else DistributedTrainer)
         results[name] = _one_step(trainer, cfg, rows)
         results[name]["frozen"] = _frozen_layout(model)
@@ -167,27 +167,29 @@ def test_without_a_launch_the_trainer_is_local_and_totals_are_the_shards():
     assert not distributed.active() and distributed.is_main()
     assert global_totals(rows, cfg.sampler.max_tokens) == StepTotals.of(rows, cfg.sampler.max_tokens)
     assert global_totals([], 6) == StepTotals(0, 0, 0)
-    model, tok = build_policy(cfg, None, 0)
-    assert type(make_trainer(model, cfg, tok.pad_token_id)) is LocalTrainer
+    model, tok = build_policy(PolicySettings.from_config(cfg), None, 0)
+    assert type(make_trainer(model, StepSettings.from_config(cfg), tok.pad_token_id)) is LocalTrainer
 
 
 @pytest.mark.parametrize("name", ["seq_mean_per_turn", "constant_two_passes_kl"])
 def test_shard_gradients_with_global_totals_add_up_to_the_batch_gradient(name):
     """The identity the multi-process step rests on, checked in one process against autograd on the whole batch."""
     cfg, rows = _case(name)
-    model, tok = build_policy(cfg, None, 0)
+    model, tok = build_policy(PolicySettings.from_config(cfg), None, 0)
     with torch.no_grad():  # non-zero LoRA B, so every LoRA gradient is non-zero
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.02)
     params = [p for p in model.parameters() if p.requires_grad]
     totals = StepTotals.of(rows, cfg.sampler.max_tokens)
-    full = accumulate_gradients(model, rows, cfg, pad_id=tok.pad_token_id, totals=totals)
+    full = accumulate_gradients(model, rows, StepSettings.from_config(cfg), pad_id=tok.pad_token_id, totals=totals)
     want = [p.grad.clone() for p in params]
     model.zero_grad(set_to_none=True)
     sums: dict[str, float] = {}
     for r in range(2):
-        part = accumulate_gradients(model, shard_rows(rows, r, 2), cfg, pad_id=tok.pad_token_id, totals=totals)
+        part = accumulate_gradients(
+            model, shard_rows(rows, r, 2), StepSettings.from_config(cfg), pad_id=tok.pad_token_id, totals=totals
+        )
         for k, v in part.items():
             sums[k] = sums.get(k, 0.0) + v
     scale = max(float(w.abs().max()) for w in want)
@@ -216,8 +218,8 @@ def test_two_process_step_equals_the_one_process_step(two_ranks, name):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model, tok = build_policy(cfg, None, 0)
-        ref = _one_step(LocalTrainer(model, cfg, tok.pad_token_id), cfg, rows)
+        model, tok = build_policy(PolicySettings.from_config(cfg), None, 0)
+        ref = _one_step(LocalTrainer(model, StepSettings.from_config(cfg), tok.pad_token_id), cfg, rows)
     finally:
         torch.set_num_threads(threads)
     r0, r1 = two_ranks[0][name], two_ranks[1][name]
@@ -390,7 +392,7 @@ def test_fsdp_flag_needs_processes_and_a_matching_launch(tmp_path):
 def test_lockstep_plans_have_equal_length_and_partition_the_rows(name):
     cfg, rows = _case(name)
     for world in (2, 3, 11):
-        plans = [lockstep_plan(rows, cfg, r, world) for r in range(world)]
+        plans = [lockstep_plan(rows, StepSettings.from_config(cfg), r, world) for r in range(world)]
         assert len({len(p) for p in plans}) == 1  # every rank runs the same number of micro-batches
         real = [r for p in plans for mb in p for r in mb if any(r.mask)]
         assert sorted(map(id, real)) == sorted(map(id, rows))
@@ -398,7 +400,12 @@ def test_lockstep_plans_have_equal_length_and_partition_the_rows(name):
             assert all(0 < len(mb) <= cfg.train.micro_batch_size for mb in p)
             if cfg.train.decompose_turns:  # a micro-batch holds one turn index
                 assert all(len({r.turn for r in mb}) == 1 for mb in p)
-    placeholders = [mb for p in (lockstep_plan(rows, cfg, r, 11) for r in range(11)) for mb in p if not any(mb[0].mask)]
+    placeholders = [
+        mb
+        for p in (lockstep_plan(rows, StepSettings.from_config(cfg), r, 11) for r in range(11))
+        for mb in p
+        if not any(mb[0].mask)
+    ]
     assert placeholders and all(len(mb) == 1 for mb in placeholders)  # 11 ranks, 5-10 rows: some get none
 
 

@@ -190,15 +190,17 @@ def test_arms_share_everything_but_their_overrides(tmp_path):
 
 
 def test_arms_with_the_same_seed_see_the_same_task_stream(tmp_path):
-    from turnrl.eval import load_tasks
+    from turnrl.envs.splits import TaskSource
     from turnrl.tasks import TaskStream
 
     runs = plan_runs(load_spec(_write_spec(tmp_path)), tmp_path / "runs")
     a, b = (r.config for r in runs if r.seed == 0)
-    tasks_a, tasks_b = load_tasks(a, "train"), load_tasks(b, "train")
+    tasks_a, tasks_b = TaskSource.from_config(a).tasks("train"), TaskSource.from_config(b).tasks("train")
     stream = [t.task_id for t in TaskStream(tasks_a, a.seed).take(0, 12)]
     assert stream == [t.task_id for t in TaskStream(tasks_b, b.seed).take(0, 12)]
-    assert [t.task_id for t in load_tasks(a, "eval")] == [t.task_id for t in load_tasks(b, "eval")]
+    assert [t.task_id for t in TaskSource.from_config(a).tasks("eval")] == [
+        t.task_id for t in TaskSource.from_config(b).tasks("eval")
+    ]
 
 
 # ----------------------------------------------------------------------------- statistics and verdicts

@@ -8,7 +8,7 @@ import pytest
 
 from factories import make_turn
 from turnrl.config import ConfigError, CreditConfig, parse_config
-from turnrl.credit import assign_credit, gigpo_advantages
+from turnrl.credit import CreditSettings, assign_credit, gigpo_advantages
 from turnrl.credit.gigpo import GigpoParams, anchor_advantages
 from turnrl.envs import make_env
 from turnrl.tracking import read_csv
@@ -75,7 +75,7 @@ def test_gigpo_flat_by_hand():
 
 def test_gigpo_without_keys_is_group_mean():
     eps = [_ep("a", "g", [None, None], [0.0, 1.0]), _ep("b", "g", [None], [0.0])]
-    res = assign_credit(eps, CreditConfig(estimator="gigpo"))
+    res = assign_credit(eps, CreditSettings.from_config(CreditConfig(estimator="gigpo")))
     assert res["gigpo/anchor_frac"] == 0.0
     grpo = 1.0 / 2 / (math.sqrt(0.5) + 1e-4)
     assert [t.advantage for t in eps[0].turns] == pytest.approx([grpo, grpo])

@@ -10,6 +10,7 @@ import torch
 from turnrl.config import LossConfig, MismatchConfig
 from turnrl.losses import (
     LOSSES,
+    LossPlan,
     centered_loss,
     cispo_loss,
     clip_loss,
@@ -125,7 +126,7 @@ def test_mismatch_metrics_and_application():
     logp = OLD.clone().requires_grad_(True)
     mask = t([[1.0, 1.0, 1.0]])
     # on-policy clip: value −ρA = −A; times w = [2, 1, .25]
-    loss, m = per_token_loss(cfg, logp, None, Q, t([[1.0, 1.0, 1.0]]), mask)
+    loss, m = per_token_loss(LossPlan.from_config(cfg), logp, None, Q, t([[1.0, 1.0, 1.0]]), mask)
     torch.testing.assert_close(loss, t([[-2.0, -1.0, -0.25]]))
     torch.testing.assert_close(grad_of(loss, logp), t([[-2.0, -1.0, -0.25]]))
     out = finalize_metrics(m)
@@ -137,7 +138,7 @@ def test_mismatch_metrics_and_application():
 def test_importance_sampling_refuses_double_correction():
     cfg = LossConfig(type="importance_sampling", mismatch=MismatchConfig(mode="truncate"))
     with pytest.raises(ValueError, match="correct"):
-        per_token_loss(cfg, OLD, None, Q, t([[1.0, 1.0, 1.0]]), t([[1.0, 1.0, 1.0]]))
+        per_token_loss(LossPlan.from_config(cfg), OLD, None, Q, t([[1.0, 1.0, 1.0]]), t([[1.0, 1.0, 1.0]]))
 
 
 # ---- the entry point --------------------------------------------------------------------
@@ -149,7 +150,7 @@ def test_per_token_loss_clip_metrics_and_mask():
     old = torch.zeros_like(logp)
     adv = t([1.0, 1.0, -1.0, -1.0, 5.0])
     mask = t([1.0, 1.0, 1.0, 1.0, 0.0])
-    loss, m = per_token_loss(cfg, logp[None], old[None], None, adv[None], mask[None])
+    loss, m = per_token_loss(LossPlan.from_config(cfg), logp[None], old[None], None, adv[None], mask[None])
     torch.testing.assert_close(loss, t([[-1.28, -0.5, 0.8, 1.5, 0.0]]))
     out = finalize_metrics(m)
     assert m["trained_tokens"].item() == 4
@@ -164,7 +165,7 @@ def test_per_token_loss_padding_never_makes_nan():
     old = t([-0.4, 50.0, float("nan")])
     beh = t([-0.4, float("-inf"), 3.0])
     mask = t([1.0, 0.0, 0.0])
-    loss, m = per_token_loss(cfg, logp[None], old[None], beh[None], t([1.0]), mask[None])
+    loss, m = per_token_loss(LossPlan.from_config(cfg), logp[None], old[None], beh[None], t([1.0]), mask[None])
     assert torch.isfinite(loss).all() and loss[0, 1:].eq(0).all()
     assert torch.isfinite(grad_of(loss, logp)).all()
     assert all(math.isfinite(float(v)) for v in m.values())
@@ -175,21 +176,23 @@ def test_per_token_loss_kl_term_and_row_advantages():
     logp = leaf([[LOG(0.5), LOG(0.5)]])
     ref = t([[LOG(0.25), LOG(0.5)]])
     beh = t([[LOG(0.5), LOG(0.5)]])
-    loss, m = per_token_loss(cfg, logp, None, beh, t([2.0]), t([[1.0, 1.0]]), ref_logp=ref)
+    loss, m = per_token_loss(LossPlan.from_config(cfg), logp, None, beh, t([2.0]), t([[1.0, 1.0]]), ref_logp=ref)
     k3 = 0.5 + LOG(2) - 1
     torch.testing.assert_close(loss, t([[-2.0 + 0.1 * k3, -2.0]]))
     assert finalize_metrics(m)["kl"] == pytest.approx(k3 / 2)
     with pytest.raises(ValueError, match="ref_logp"):
-        per_token_loss(cfg, logp, None, beh, t([2.0]), t([[1.0, 1.0]]))
+        per_token_loss(LossPlan.from_config(cfg), logp, None, beh, t([2.0]), t([[1.0, 1.0]]))
 
 
 def test_per_token_loss_centered_needs_aux():
     cfg = LossConfig(type="centered")
     logp = leaf([[LOG(0.5)]])
-    loss, _ = per_token_loss(cfg, logp, None, None, t([[3.0]]), t([[1.0]]), aux_logp=t([[[-1.0, -2.0]]]))
+    loss, _ = per_token_loss(
+        LossPlan.from_config(cfg), logp, None, None, t([[3.0]]), t([[1.0]]), aux_logp=t([[[-1.0, -2.0]]])
+    )
     torch.testing.assert_close(loss, t([[3.0 * LOG(2)]]))
     with pytest.raises(ValueError, match="aux_logp"):
-        per_token_loss(cfg, logp, None, None, t([[3.0]]), t([[1.0]]))
+        per_token_loss(LossPlan.from_config(cfg), logp, None, None, t([[3.0]]), t([[1.0]]))
 
 
 def test_registry_has_every_config_loss():
@@ -249,7 +252,7 @@ def test_token_sum_gradient_decomposes_over_turn_rows():
     n = float(mask.sum())
 
     def total(rows):
-        lt, _ = per_token_loss(cfg, logp[rows], old[rows], None, adv[rows], mask[rows])
+        lt, _ = per_token_loss(LossPlan.from_config(cfg), logp[rows], old[rows], None, adv[rows], mask[rows])
         return normalize(lt, mask[rows], "token_sum", total_tokens=n, total_rows=4, max_len=6)
 
     (whole,) = torch.autograd.grad(total(slice(0, 4)), logp)

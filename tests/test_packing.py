@@ -109,7 +109,7 @@ def _run(model, rows, cfg, packed: bool, old: dict, monkeypatch, max_pack_tokens
     metrics = step_mod.accumulate_gradients(
         model,
         rows,
-        cfg,
+        step_mod.StepSettings.from_config(cfg),
         pad_id=2,
         old_logprobs=old,
         generator=torch.Generator().manual_seed(7),

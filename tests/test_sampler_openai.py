@@ -35,7 +35,7 @@ from factories import perturb_lora
 from turnrl.chat import ChatTemplate
 from turnrl.config import LoraConfig, ModelConfig, parse_config
 from turnrl.models import attach_lora, embedded_gguf_path, load_model
-from turnrl.sampling import make_sampler
+from turnrl.sampling import SamplerSettings, make_sampler
 from turnrl.sampling.openai import OpenAISampler, OpenAISamplerParams, parse_choice
 from turnrl.types import SamplingParams
 
@@ -158,7 +158,9 @@ def test_config_takes_the_backends_own_params():
 
 def test_sample_sends_token_ids_and_returns_ids_logprobs_and_top_k(mock, policy, tokenizer):
     sampler = make_sampler(
-        parse_config({"model": {"name": "tiny"}, "sampler": {"backend": "openai", "base_url": mock.url}}).sampler,
+        SamplerSettings.from_config(
+            parse_config({"model": {"name": "tiny"}, "sampler": {"backend": "openai", "base_url": mock.url}}).sampler
+        ),
         policy,
         tokenizer,
     )

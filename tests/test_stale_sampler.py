@@ -12,7 +12,7 @@ from turnrl.config import LoraConfig, parse_config
 from turnrl.models import attach_lora
 from turnrl.sampling.hf import HFSampler
 from turnrl.train.batch import Row, collate
-from turnrl.train.step import LocalTrainer, token_logprobs, update
+from turnrl.train.step import LocalTrainer, StepSettings, token_logprobs, update
 from turnrl.types import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, seed=0)
@@ -57,7 +57,8 @@ def _update(model, ctx, sample, pad_id) -> None:
         {"loss": {"type": "importance_sampling"}, "sampler": {"temperature": 1.0}, "train": {"lr": 5e-2}}
     )
     before = _trainable(model)
-    update(LocalTrainer(model, cfg, pad_id=pad_id), [_row(ctx, sample, advantage=1.0)], cfg)
+    settings = StepSettings.from_config(cfg)
+    update(LocalTrainer(model, settings, pad_id=pad_id), [_row(ctx, sample, advantage=1.0)], settings)
     after = _trainable(model)
     assert any(not torch.equal(before[n], after[n]) for n in before), "the step did not change the LoRA weights"
 

@@ -9,7 +9,7 @@ from factories import random_episode, set_advantages
 from turnrl.config import ConfigError, LoraConfig, parse_config
 from turnrl.models import attach_lora
 from turnrl.train.batch import build_rows, collate
-from turnrl.train.step import accumulate_gradients, token_logprobs
+from turnrl.train.step import StepSettings, accumulate_gradients, token_logprobs
 
 _episode = random_episode
 
@@ -58,19 +58,19 @@ def test_decomposed_gradient_equals_single_pass(tiny_model, loss_type):
     # single pass: whole episodes as rows, both turns trained in one sequence
     whole = build_rows(set_advantages(episodes, advantages), per_turn=False)
     model.zero_grad()
-    accumulate_gradients(model, whole, cfg, pad_id=2)
+    accumulate_gradients(model, whole, StepSettings.from_config(cfg), pad_id=2)
     single = _grads(model)
 
     # decomposed: turn-1 rows, then turn-2 rows (turn 2 carries turn 1 as masked prompt)
     per_turn = build_rows(set_advantages(episodes, advantages), per_turn=True)
     assert sorted({r.turn for r in per_turn}) == [0, 1]
     model.zero_grad()
-    accumulate_gradients(model, per_turn, dcfg, pad_id=2)
+    accumulate_gradients(model, per_turn, StepSettings.from_config(dcfg), pad_id=2)
     decomposed = _grads(model)
 
     # mixed: turn-1 and turn-2 rows in the same micro-batches, no decomposition
     model.zero_grad()
-    accumulate_gradients(model, per_turn, cfg, pad_id=2)
+    accumulate_gradients(model, per_turn, StepSettings.from_config(cfg), pad_id=2)
     mixed = _grads(model)
 
     # max abs difference relative to the largest gradient entry (float32 summation order differs)
@@ -119,9 +119,9 @@ def test_optimizer_step_moves_logprob_with_the_advantage_sign(tiny_model, sign):
     with torch.no_grad():
         before = float(token_logprobs(model, batch)[0].sum())
     cfg = parse_config({"train": {"lr": 1e-2}})
-    trainer = LocalTrainer(model, cfg, pad_id=2)
+    trainer = LocalTrainer(model, StepSettings.from_config(cfg), pad_id=2)
     for _ in range(3):
-        metrics = update(trainer, rows, cfg)
+        metrics = update(trainer, rows, StepSettings.from_config(cfg))
     with torch.no_grad():
         after = float(token_logprobs(model, batch)[0].sum())
     assert (after - before) * sign > 0.5
@@ -146,7 +146,7 @@ def test_gradient_checkpointing_gives_the_same_gradient(tokenizer):
         for n, p in model.named_parameters():
             if p.requires_grad:
                 torch.nn.init.normal_(p, std=0.05, generator=torch.Generator().manual_seed(len(n)))
-        accumulate_gradients(model, rows, cfg, pad_id=2)
+        accumulate_gradients(model, rows, StepSettings.from_config(cfg), pad_id=2)
         grads.append(_grads(model))
     scale = max(float(g.abs().max()) for g in grads[0].values())
     for name, g in grads[0].items():

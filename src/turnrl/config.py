@@ -25,6 +25,17 @@ from turnrl.sections import PluginSection as _PluginSection
 from turnrl.sections import Section as _Section
 
 
+def _refuse_moved(data: Any, section: str, keys: tuple[str, ...], to: str = "rollout") -> Any:
+    """Refuse keys that moved to the section whose stage reads them, naming the new key."""
+    if isinstance(data, dict):
+        moved = [k for k in keys if k in data]
+        if moved:
+            raise ValueError(
+                "; ".join(f"{section}.{k} moved to {to}.{k} (the collector applies it): write {to}.{k}" for k in moved)
+            )
+    return data
+
+
 class LoraConfig(_Section):
     r: int = Field(16, ge=1)
     alpha: float = Field(32.0, gt=0)
@@ -93,6 +104,12 @@ class RolloutConfig(_Section):
     truncated (stop reason ``context_limit``); an action crossing it is cut (``finish_reason`` length)."""
     env_workers: int = Field(8, ge=1)
     """Threads that step plain (non-async) environments concurrently."""
+    shaping: bool = False
+    """Add potential-based shaping r + γΦ(s') − Φ(s) where the environment defines Φ (applied as episodes end)."""
+    shaping_gamma: float = Field(1.0, ge=0, le=1)
+    truncated_completion_reward: float | None = None
+    """An episode with a length-cut turn gets this reward instead (None: off; ``train.mask_truncated_completions``
+    is the other way to treat such turns)."""
 
 
 class CreditConfig(_PluginSection):
@@ -104,9 +121,11 @@ class CreditConfig(_PluginSection):
     estimator: str = "group_mean"
     exclude_think: bool = False
     """Strip earlier turns' thinking (up to ``</think>``) from later turns' context."""
-    shaping: bool = False
-    """Add potential-based shaping r + γΦ(s') − Φ(s) where the environment defines Φ."""
-    shaping_gamma: float = Field(1.0, ge=0, le=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return _refuse_moved(data, "credit", ("shaping", "shaping_gamma"))
 
 
 class LossConfig(_PluginSection):
@@ -151,8 +170,11 @@ class TrainConfig(_Section):
     """Optimizer steps of linear warmup from 0 to ``lr`` before the schedule."""
     mask_truncated_completions: bool = False
     """A turn cut by the token limit (``finish_reason`` length) is not trained (TRL's option)."""
-    truncated_completion_reward: float | None = None
-    """The reward variant: an episode with a length-cut turn gets this reward instead (None: off)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: Any) -> Any:
+        return _refuse_moved(data, "train", ("truncated_completion_reward",))
 
 
 class EvalConfig(_Section):

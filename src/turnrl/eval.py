@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rich.table import Table
 
 from turnrl import envs
 from turnrl.chat import ChatTemplate
 from turnrl.config import RunConfig
-from turnrl.rollout.collect import collect
+from turnrl.envs.splits import TaskSource
+from turnrl.rollout.collect import RolloutSettings, collect
 from turnrl.sampling.base import Sampler
 from turnrl.types import Episode, SamplingParams, StopReason, Task
 
@@ -23,17 +24,33 @@ class EvalResult:
     episodes: list[Episode]
 
 
-def load_tasks(cfg: RunConfig, split: str) -> list[Task]:
-    """Train or eval tasks of a run: from ``data.*_file`` when set, else the environment's built-in set."""
-    train = split == "train"
-    return envs.load_tasks(
-        cfg.env.name,
-        cfg.env.options,
-        path=cfg.data.train_file if train else cfg.data.eval_file,
-        split=split,
-        named_split=cfg.data.train_split if train else cfg.data.eval_split,
-        limit=None if train else cfg.data.num_eval_tasks,
-    )
+@dataclass(frozen=True)
+class EvalSettings:
+    """How a run evaluates, resolved once: one game per task at ``temperature`` (greedy by default),
+    plus ``samples_per_task`` sampled games at ``sample_temperature``; the rollout limits of training."""
+
+    rollout: RolloutSettings = RolloutSettings()
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    samples_per_task: int = 0
+    sample_temperature: float = 1.0
+    every: int = 0
+    before: bool = True
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> EvalSettings:
+        e, s = cfg.eval, cfg.sampler
+        return cls(
+            rollout=RolloutSettings.from_config(cfg).for_evaluation(),
+            temperature=e.temperature,
+            top_p=s.top_p,
+            max_tokens=e.max_tokens or s.max_tokens,
+            samples_per_task=e.samples_per_task,
+            sample_temperature=e.sample_temperature or s.temperature or 1.0,
+            every=e.every,
+            before=e.before,
+        )
 
 
 def _stratified_se(values: dict[tuple[str, str], list[float]], n: int) -> float:
@@ -77,22 +94,17 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
     }
 
 
-def evaluate(tasks: list[Task], sampler: Sampler, chat: ChatTemplate, cfg: RunConfig, seed: int = 0) -> EvalResult:
+def evaluate(
+    tasks: list[Task], sampler: Sampler, chat: ChatTemplate, settings: EvalSettings, seed: int = 0
+) -> EvalResult:
     """One game per task at ``eval.temperature`` (greedy by default), plus ``eval.samples_per_task``
     sampled games per task at ``eval.sample_temperature`` (default: the training temperature)."""
-    e = cfg.eval
-    max_tokens = e.max_tokens or cfg.sampler.max_tokens
-    common = {
-        "env_options": cfg.env.options,
-        "max_turns": cfg.rollout.max_turns,
-        "max_context_tokens": cfg.rollout.max_context_tokens,
-    }
-    params = SamplingParams(temperature=e.temperature, top_p=cfg.sampler.top_p, max_tokens=max_tokens, seed=seed)
-    episodes = collect(tasks, sampler, chat, params, [1], id_prefix="eval-", **common)
+    e = settings
+    params = SamplingParams(temperature=e.temperature, top_p=e.top_p, max_tokens=e.max_tokens, seed=seed)
+    episodes = collect(tasks, sampler, chat, params, [1], e.rollout, id_prefix="eval-")
     if e.samples_per_task:
-        temp = e.sample_temperature or cfg.sampler.temperature or 1.0
-        params = SamplingParams(temperature=temp, top_p=cfg.sampler.top_p, max_tokens=max_tokens, seed=seed + 1)
-        episodes += collect(tasks, sampler, chat, params, [e.samples_per_task], id_prefix="eval-sampled-", **common)
+        params = replace(params, temperature=e.sample_temperature, seed=seed + 1)
+        episodes += collect(tasks, sampler, chat, params, [e.samples_per_task], e.rollout, id_prefix="eval-sampled-")
     return EvalResult(summarize(episodes), episodes)
 
 
@@ -150,18 +162,23 @@ def run_eval(
     max_turns: int | None = None,
     out=None,
 ) -> dict[str, float]:
-    """Standalone evaluation: base model, one adapter, the merged model of an iteration, or a scripted policy."""
+    """Standalone evaluation: base model, one adapter, the merged model of an iteration, or a scripted policy.
+
+    ``max_turns`` overrides ``rollout.max_turns`` for this evaluation (``cfg`` is not changed)."""
     import csv
     from pathlib import Path
 
     from turnrl.models import load_adapter, load_model, load_tokenizer, merge_adapters
-    from turnrl.sampling import make_sampler
+    from turnrl.rundir import RunDir
+    from turnrl.sampling import SamplerSettings, make_sampler
     from turnrl.sampling.scripted import ScriptedSampler
 
+    settings = EvalSettings.from_config(cfg)
     if max_turns is not None:
-        cfg.rollout.max_turns = max_turns
+        settings = replace(settings, rollout=replace(settings.rollout, max_turns=max_turns))
     env_cls = envs.get_env_class(cfg.env.name)
-    task_list = envs.tasks_from_file(cfg.env.name, tasks, "eval") if tasks is not None else load_tasks(cfg, "eval")
+    source = TaskSource.from_config(cfg)
+    task_list = envs.tasks_from_file(cfg.env.name, tasks, "eval") if tasks is not None else source.tasks("eval")
     if scripted:
         policies = env_cls.scripted_policies()
         if scripted not in policies:
@@ -177,18 +194,15 @@ def run_eval(
         if iteration is not None:
             if run_dir is None:
                 raise ValueError("--iteration needs --run-dir (the run whose adapters to merge)")
-            dirs = [Path(run_dir) / "adapters" / f"iter_{i:03d}" for i in range(iteration + 1)]
-            missing = [str(d) for d in dirs if not d.exists()]
-            if missing:
-                raise FileNotFoundError(f"missing adapters: {', '.join(missing)}")
+            dirs = RunDir(Path(run_dir)).adapters_through(iteration, purpose=f"--iteration {iteration}")
             model = merge_adapters(model, dirs)
             label = f"iteration {iteration}"
         if adapter is not None:
             model = load_adapter(model, adapter)
             label = f"adapter {adapter}"
-        sampler = make_sampler(cfg.sampler, model, tokenizer, stale=False)
+        sampler = make_sampler(SamplerSettings.from_config(cfg.sampler), model, tokenizer, stale=False)
     chat = ChatTemplate(tokenizer, cfg.model.chat_template_kwargs)
-    result = evaluate(task_list, sampler, chat, cfg, seed=cfg.seed)
+    result = evaluate(task_list, sampler, chat, settings, seed=cfg.seed)
     console.print(comparison_table({label: result.metrics}, f"evaluation on {len(task_list)} tasks"))
     if out is not None:
         out = Path(out)

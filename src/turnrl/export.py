@@ -25,17 +25,7 @@ from turnrl.rundir import RunDir
 def _adapters(run: RunDir, iteration: int) -> list[Path]:
     if iteration < 0:
         raise ValueError(f"--iteration must be >= 0 (got {iteration})")
-    dirs = [run.adapter(i) for i in range(iteration + 1)]
-    missing = [d for d in dirs if not (d / "adapter_config.json").exists()]
-    if missing:
-        have = (
-            sorted(p.name for p in (run.root / "adapters").glob("iter_*")) if (run.root / "adapters").is_dir() else []
-        )
-        raise ValueError(
-            f"--iteration {iteration}: {run.root} has no adapter {missing[0].name} (adapters there:"
-            f" {', '.join(have) or 'none'}); choose an iteration whose adapters 0..N were all saved"
-        )
-    return dirs
+    return run.adapters_through(iteration, purpose=f"--iteration {iteration}")
 
 
 def _into_place(out: Path, build) -> Path:

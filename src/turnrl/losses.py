@@ -19,9 +19,9 @@ ALGORITHMS.md §2.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 import torch
 from pydantic import BaseModel, ConfigDict, Field
@@ -291,8 +291,43 @@ def get_loss(name: str) -> LossSpec:
     return LOSSES[name]
 
 
+class LossSection(Protocol):
+    """The keys of the ``loss`` config section that :class:`LossPlan` reads (this module may not
+    import the config: the section is passed in, and this Protocol says what it must have)."""
+
+    type: str
+    norm: str
+    beta: float
+    mismatch: MismatchConfig
+
+    @property
+    def params(self) -> BaseModel: ...
+
+
+@dataclass(frozen=True)
+class LossPlan:
+    """The loss of a run, resolved once: the surrogate with its own parameters, the normaliser,
+    the KL coefficient and the (resolved) mismatch correction."""
+
+    type: str
+    params: BaseModel
+    norm: str = "token_sum"
+    beta: float = 0.0
+    mismatch: MismatchConfig = field(default_factory=lambda: MismatchConfig(mode="none"))
+
+    @property
+    def spec(self) -> LossSpec:
+        return get_loss(self.type)
+
+    @classmethod
+    def from_config(cls, section: LossSection) -> LossPlan:
+        """The plan of a ``loss`` config section (``mismatch.mode: auto`` is resolved by the run config)."""
+        get_loss(section.type)
+        return cls(section.type, section.params, section.norm, section.beta, section.mismatch)
+
+
 def per_token_loss(
-    cfg: Any,
+    plan: LossPlan,
     logp: Tensor,
     old_logp: Tensor | None,
     behavior_logp: Tensor | None,
@@ -305,8 +340,8 @@ def per_token_loss(
 
         ℓ_t = w_t · surrogate_t + β · k3_t
 
-    ``cfg`` is the ``loss`` config section. surrogate = ``LOSSES[cfg.type]``; w = :func:`mismatch_weights` (1 unless
-    ``cfg.mismatch.mode`` is set; applied to the policy term only, as TRL
+    surrogate = ``LOSSES[plan.type]``; w = :func:`mismatch_weights` (1 unless
+    ``plan.mismatch.mode`` is set; applied to the policy term only, as TRL
     does); the k3 term only when β > 0 (needs ``ref_logp``). ``advantages`` is
     [B, T] or [B] (one per row). ``old_logp`` None means on-policy
     (``logp.detach()``). Padding values never reach exp(): masked positions
@@ -319,13 +354,19 @@ def per_token_loss(
     ``cispo`` TRL's ``cispo_clip_ratio`` (ρ > ε_max and A > 0); ``kl`` (mean
     k3) whenever ``ref_logp`` is given; ``mismatch/abs_logp_gap_mean``
     (|logp − behavior_logp|) whenever ``behavior_logp`` is given; and the
-    ``mismatch/...`` sums of :func:`mismatch_weights`.
+    ``mismatch/...`` sums of :func:`mismatch_weights`; a registered loss's own ``metrics``.
+    Two diagnostics are always there, on the sampled (trained) tokens y_t:
+
+        entropy   = −log π_θ(y_t)                       (Monte-Carlo estimate of H(π_θ(·|y_<t)), y_t ~ π)
+        approx_kl = (ρ_t − 1) − log ρ_t,  ρ_t = exp(logp_t − old_logp_t)   (CleanRL's approx_kl, k3 of KL(π_old‖π_θ))
+
+    ``approx_kl`` is 0 on a batch's first pass and grows over the ``train.num_iterations`` passes.
     """
-    spec = get_loss(cfg.type)
-    params = cfg.params
-    if spec.needs_behavior and cfg.mismatch.mode not in ("none", "auto"):
+    spec = get_loss(plan.type)
+    params = plan.params
+    if spec.needs_behavior and plan.mismatch.mode not in ("none", "auto"):
         raise ValueError(
-            f"loss.type {cfg.type} already corrects against the sampler's log-probs;"
+            f"loss.type {plan.type} already corrects against the sampler's log-probs;"
             " set loss.mismatch.mode: none (a mismatch weight would correct twice)"
         )
     m = mask > 0
@@ -350,13 +391,17 @@ def per_token_loss(
     def token_sum(x: Tensor) -> Tensor:
         return torch.where(m, x.detach().float(), torch.zeros_like(x, dtype=torch.float32)).sum()
 
+    log_ratio = (lp - old).detach()
+    metrics["entropy"] = token_sum(-lp)
+    metrics["approx_kl"] = token_sum(torch.expm1(log_ratio) - log_ratio)
+
     if spec.metrics is not None:
         metrics.update(spec.metrics(torch.exp(lp - old).detach(), adv, params, token_sum))
 
-    if cfg.mismatch.mode not in ("none", "auto"):  # auto is resolved by RunConfig; unresolved = none
+    if plan.mismatch.mode not in ("none", "auto"):  # auto is resolved by RunConfig; unresolved = none
         if beh is None:
-            raise ValueError(f"loss.mismatch.mode {cfg.mismatch.mode} needs behavior_logp (the sampler's log-probs)")
-        w, mis = mismatch_weights(old, beh, mask, cfg.mismatch)
+            raise ValueError(f"loss.mismatch.mode {plan.mismatch.mode} needs behavior_logp (the sampler's log-probs)")
+        w, mis = mismatch_weights(old, beh, mask, plan.mismatch)
         loss = loss * w
         metrics.update(mis)
     if beh is not None:
@@ -365,37 +410,25 @@ def per_token_loss(
     if ref_logp is not None:
         k3 = kl_k3(lp, clean(ref_logp.detach()))
         metrics["kl"] = token_sum(k3)
-        if cfg.beta > 0:
-            loss = loss + cfg.beta * k3
-    elif cfg.beta > 0:
-        raise ValueError(f"loss.beta is {cfg.beta} > 0: pass ref_logp (the reference model's log-probs)")
+        if plan.beta > 0:
+            loss = loss + plan.beta * k3
+    elif plan.beta > 0:
+        raise ValueError(f"loss.beta is {plan.beta} > 0: pass ref_logp (the reference model's log-probs)")
 
     return torch.where(m, loss, zeros), metrics
 
 
-TOKEN_MEAN_METRICS = (
-    "clip_ratio/low_mean",
-    "clip_ratio/high_mean",
-    "clip_ratio/region_mean",
-    "cispo_clip_ratio",
-    "kl",
-    "mismatch/weight_mean",
-    "mismatch/frac_truncated",
-    "mismatch/frac_masked",
-    "mismatch/abs_logp_gap_mean",
-)
-"""Keys of :func:`per_token_loss` metrics that are token sums, to be divided by ``trained_tokens``."""
-
-
-def finalize_metrics(sums: Mapping[str, Tensor | float]) -> dict[str, float]:
+def finalize_metrics(sums: Mapping[str, Tensor | float], exclude: Collection[str] = ()) -> dict[str, float]:
     """Turn :func:`per_token_loss` metric sums into means over the optimizer batch.
 
     Aggregate by summing every key over micro-batches (and ranks), including
-    ``trained_tokens``; then each key of :data:`TOKEN_MEAN_METRICS` present is divided
-    by the summed ``trained_tokens``. Other keys (the caller's own sums) are ignored.
+    ``trained_tokens``; then every key (the built-in ones and a registered loss's own) is
+    divided by the summed ``trained_tokens``. ``exclude`` names the caller's own sums
+    (e.g. the loss value), which are left out; ``trained_tokens`` itself is left out too.
     """
     n = max(float(sums.get("trained_tokens", 0.0)), 1.0)
-    return {k: float(sums[k]) / n for k in TOKEN_MEAN_METRICS if k in sums}
+    skip = {"trained_tokens", *exclude}
+    return {k: float(v) / n for k, v in sums.items() if k not in skip}
 
 
 # ---- normalisers ------------------------------------------------------------------------

@@ -19,6 +19,10 @@ from pathlib import Path
 from turnrl.types import Episode
 
 
+class MissingAdapterError(FileNotFoundError):
+    """A run directory lacks an adapter a policy is built from; the message lists the ones there."""
+
+
 @dataclass(frozen=True)
 class RunDir:
     """The paths of one run directory."""
@@ -85,6 +89,25 @@ class RunDir:
 
     def adapter(self, iteration: int) -> Path:
         return self.root / "adapters" / f"iter_{iteration:03d}"
+
+    def adapters_through(self, last: int, *, purpose: str = "") -> list[Path]:
+        """The saved adapters 0..``last`` in order (none for ``last`` < 0): the policy after iteration
+        ``last`` is the base with all of them merged. The one implementation training (the base of the
+        next iteration), ``turnrl eval --iteration`` and ``turnrl export`` use.
+
+        An adapter counts as saved when its ``adapter_config.json`` exists; a missing one raises
+        :class:`MissingAdapterError` naming it, the adapters there, and ``purpose`` (what needed them).
+        """
+        dirs = [self.adapter(i) for i in range(last + 1)]
+        missing = [d for d in dirs if not (d / "adapter_config.json").is_file()]
+        if missing:
+            folder = self.root / "adapters"
+            have = sorted(p.name for p in folder.glob("iter_*")) if folder.is_dir() else []
+            raise MissingAdapterError(
+                f"{purpose + ': ' if purpose else ''}{self.root} has no adapter {missing[0].name} (adapters there:"
+                f" {', '.join(have) or 'none'}); choose an iteration whose adapters 0..N were all saved"
+            )
+        return dirs
 
     @property
     def checkpoint_dir(self) -> Path:

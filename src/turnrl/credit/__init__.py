@@ -10,7 +10,10 @@ underneath is pure numpy and knows nothing of models or training
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Protocol
+
+from pydantic import BaseModel
 
 from turnrl.credit.branched import (
     BRANCHED,
@@ -69,31 +72,59 @@ def get_estimator(name: str) -> EstimatorSpec:
     return ESTIMATORS[name]
 
 
-def assign_credit(episodes: list[Episode], cfg: Any) -> dict[str, float]:
-    """Set ``Turn.advantage`` on every turn of every episode with the estimator ``cfg.estimator``.
+class CreditSection(Protocol):
+    """The keys of the ``credit`` config section that :class:`CreditSettings` reads (this package
+    may not import the config: the section is passed in, and this Protocol says what it must have)."""
 
-    ``cfg`` is the ``credit`` config section (its ``params`` are the estimator's own).
+    estimator: str
+
+    @property
+    def params(self) -> BaseModel: ...
+
+
+@dataclass(frozen=True)
+class CreditSettings:
+    """The estimator of a run, resolved once: its registry name and its own validated parameters."""
+
+    estimator: str
+    params: BaseModel
+
+    @property
+    def spec(self) -> EstimatorSpec:
+        return get_estimator(self.estimator)
+
+    @classmethod
+    def from_config(cls, section: CreditSection) -> CreditSettings:
+        get_estimator(section.estimator)
+        return cls(section.estimator, section.params)
+
+
+def assign_credit(episodes: list[Episode], settings: CreditSettings) -> dict[str, float]:
+    """Set ``Turn.advantage`` on every turn of every episode with the estimator ``settings.estimator``.
+
     ``None`` = the turn is not trained in this episode (a shared tree prefix trained in
     a sibling). Returns metrics: TRL's ``reward``, ``reward_std`` and
     ``frac_reward_zero_std`` (see :func:`reward_metrics`) plus the estimator's own.
     """
-    spec = get_estimator(cfg.estimator)
+    spec = settings.spec
     ids = [e.episode_id for e in episodes]
     if len(set(ids)) != len(ids):
         dup = next(i for i in ids if ids.count(i) > 1)
         raise ValueError(f"episode_id {dup!r} appears twice; credit is keyed by episode id")
     if not episodes:
         return {}
-    result = spec.fn(episodes, cfg.params)
+    result = spec.fn(episodes, settings.params)
     for ep in episodes:
         for turn, adv in zip(ep.turns, result.advantages[ep.episode_id], strict=True):
             turn.advantage = adv
-    return {**reward_metrics(episodes, getattr(cfg.params, "scale", "group")), **result.metrics}
+    return {**reward_metrics(episodes, getattr(settings.params, "scale", "group")), **result.metrics}
 
 
 __all__ = [
     "ESTIMATORS",
     "CreditResult",
+    "CreditSection",
+    "CreditSettings",
     "EstimatorParams",
     "EstimatorSpec",
     "assign_credit",

@@ -28,10 +28,11 @@ import functools
 import inspect
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any
+from types import MappingProxyType
+from typing import Any, Protocol
 
 from turnrl.chat import ChatTemplate
 from turnrl.credit.shaping import shaped_rewards
@@ -49,6 +50,74 @@ from turnrl.types import (
 )
 
 DEFAULT_ENV_WORKERS = 8
+
+
+class RolloutSection(Protocol):
+    """The keys of the ``rollout`` config section that :class:`RolloutSettings` reads."""
+
+    tasks_per_step: int
+    group_size: int
+    branching: list[int] | None
+    max_turns: int | None
+    dynamic_sampling: bool
+    refill: bool
+    max_context_tokens: int | None
+    env_workers: int
+    shaping: bool
+    shaping_gamma: float
+    truncated_completion_reward: float | None
+
+
+class EnvSection(Protocol):
+    options: dict[str, Any]
+
+
+class RolloutSource(Protocol):
+    """What :meth:`RolloutSettings.from_config` reads of a run config: its ``rollout`` and ``env``
+    sections (this package may not import the config; this Protocol says what it must have)."""
+
+    rollout: RolloutSection
+    env: EnvSection
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How a run collects episodes, resolved once (the ``rollout`` section and the environment options).
+
+    ``shape`` is the training rollouts' shape (``[G]`` flat, ``[G1, G2, ...]`` tree);
+    ``shaping_gamma`` is None when shaping is off.
+    """
+
+    shape: tuple[int, ...] = (1,)
+    tasks_per_step: int = 1
+    dynamic_sampling: bool = False
+    refill: bool = False
+    env_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    max_turns: int | None = None
+    max_context_tokens: int | None = None
+    env_workers: int = DEFAULT_ENV_WORKERS
+    shaping_gamma: float | None = None
+    truncated_reward: float | None = None
+
+    @classmethod
+    def from_config(cls, cfg: RolloutSource) -> RolloutSettings:
+        r = cfg.rollout
+        return cls(
+            shape=tuple(r.branching or [r.group_size]),
+            tasks_per_step=r.tasks_per_step,
+            dynamic_sampling=r.dynamic_sampling,
+            refill=r.refill,
+            env_options=MappingProxyType(dict(cfg.env.options)),
+            max_turns=r.max_turns,
+            max_context_tokens=r.max_context_tokens,
+            env_workers=r.env_workers,
+            shaping_gamma=r.shaping_gamma if r.shaping else None,
+            truncated_reward=r.truncated_completion_reward,
+        )
+
+    def for_evaluation(self) -> RolloutSettings:
+        """The same limits and environment options without the training-only reward changes."""
+        return replace(self, shaping_gamma=None, truncated_reward=None)
 
 
 class RolloutContractError(RuntimeError):
@@ -72,7 +141,7 @@ class _Live:
     done: bool = False
     terminated: bool = False
     truncated: bool = False
-    stop_reason: str | None = None
+    stop_reason: StopReason | None = None
     metrics: dict[str, float] = field(default_factory=dict)
     potentials: list[float] | None = None
     """Φ(s_0), Φ(s_1), ... of the states the turns acted from (shaping only)."""
@@ -150,19 +219,14 @@ def collect(
     sampler: Sampler,
     chat: ChatTemplate,
     params: SamplingParams,
-    shape: list[int],
+    shape: list[int] | tuple[int, ...],
+    settings: RolloutSettings = RolloutSettings(),
     *,
-    env_options: dict[str, Any] | None = None,
-    max_turns: int | None = None,
-    shaping_gamma: float | None = None,
     id_prefix: str = "",
-    max_context_tokens: int | None = None,
-    truncated_reward: float | None = None,
-    env_workers: int = DEFAULT_ENV_WORKERS,
 ) -> list[Episode]:
     """Run episodes for ``tasks`` with rollout ``shape`` (``[G]`` flat, ``[G1, G2, ...]`` tree).
 
-    ``shaping_gamma`` turns on potential-based shaping for environments whose
+    ``settings.shaping_gamma`` turns on potential-based shaping for environments whose
     ``potential()`` is defined: turn rewards become r + γΦ(s') − Φ(s), Φ(terminal) = 0
     (:func:`turnrl.credit.shaping.shaped_rewards`, applied when the episode ends).
 
@@ -171,9 +235,18 @@ def collect(
     to the environment, reward 0) and a reply that fills it ends the episode; either way
     the episode is truncated with stop reason ``context_limit``. ``truncated_reward``
     replaces the reward of every episode with a length-cut turn (on its last turn).
-    ``env_workers`` threads step plain (non-async) environments.
+    ``env_workers`` threads step plain (non-async) environments. (Each of these is a field of ``settings``.)
     """
-    env_options = env_options or {}
+    env_options, max_turns, max_context_tokens = (
+        dict(settings.env_options),
+        settings.max_turns,
+        settings.max_context_tokens,
+    )
+    shaping_gamma, truncated_reward, env_workers = (
+        settings.shaping_gamma,
+        settings.truncated_reward,
+        settings.env_workers,
+    )
     with ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env") as pool:
         envs = [make_env(task, **env_options) for task in tasks]
         openings = run_concurrently([env.initial_messages for env in envs], pool)
@@ -299,8 +372,21 @@ def _advance(
 
 def _end(episode: _Live, messages: list[Message], *, truncated: bool, reason: Any, terminated: bool = False) -> None:
     episode.done, episode.terminated, episode.truncated = True, terminated, truncated
-    episode.stop_reason = str(reason) if reason else None
+    episode.stop_reason = _stop_reason(episode.env, reason)
     episode.messages = messages
+
+
+def _stop_reason(env: Env, reason: Any) -> StopReason | None:
+    """The environment's stop reason as a :class:`StopReason` (the one type, collected or reloaded)."""
+    if not reason:
+        return None
+    try:
+        return StopReason(reason)
+    except ValueError:
+        raise ValueError(
+            f"environment {type(env).__name__}: stop_reason {reason!r} is not a StopReason;"
+            f" use one of {', '.join(r.value for r in StopReason)}"
+        ) from None
 
 
 def _finish(e: _Live, k: int, shaping_gamma: float | None, truncated_reward: float | None) -> Episode:
@@ -321,7 +407,7 @@ def _finish(e: _Live, k: int, shaping_gamma: float | None, truncated_reward: flo
         reward=float(sum(e.rewards)),
         terminated=e.terminated,
         truncated=e.truncated,
-        stop_reason=str(e.stop_reason) if e.stop_reason else None,
+        stop_reason=e.stop_reason,
         metrics={**e.metrics, "num_turns": float(len(e.turns))},
         group_id=e.group_id,
         branch=e.branch if len(e.branch) > 1 else [],

@@ -9,17 +9,19 @@ own ``sampler.*`` parameters. ``register_sampler`` adds one from user code.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
 from turnrl.sampling.base import Sampler, SamplerParams
+from turnrl.types import SamplingParams
 
 
 @dataclass(frozen=True)
 class SamplerSpec:
-    """A generation backend: ``factory(model, tokenizer, cfg, stale=...)`` → Sampler."""
+    """A generation backend: ``factory(model, tokenizer, settings, stale=...)`` → Sampler
+    (``settings`` a :class:`SamplerSettings`; its ``params`` are the backend's own)."""
 
     factory: str | Any
     """A callable, or its ``"module:attr"`` path (imported lazily)."""
@@ -67,16 +69,76 @@ def _resolve(target: str | Any) -> Any:
     return obj
 
 
-def make_sampler(cfg: Any, model, tokenizer, *, stale: bool | None = None) -> Sampler:
-    """The sampler ``cfg.backend`` (``cfg`` = the ``sampler`` config section) for a policy.
+class SamplerSection(Protocol):
+    """The keys of the ``sampler`` config section that :class:`SamplerSettings` reads (this package
+    may not import the config: the section is passed in, and this Protocol says what it must have)."""
 
-    ``stale`` (default: ``cfg.refresh_every > 1``) keeps the sampler's own copy of the
+    backend: str
+    temperature: float
+    top_p: float
+    max_tokens: int
+    top_k_logprobs: int
+    batch_size: int
+    refresh_every: int
+
+    @property
+    def params(self) -> BaseModel: ...
+
+
+@dataclass(frozen=True)
+class SamplerSettings:
+    """The sampler of a run, resolved once: the backend with its own parameters, how it samples,
+    how often its weights are refreshed. A backend's factory receives this object."""
+
+    backend: str = "hf"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    top_k_logprobs: int = 0
+    batch_size: int = 32
+    refresh_every: int = 1
+    params: BaseModel = field(default_factory=SamplerParams)
+
+    @classmethod
+    def from_config(cls, section: SamplerSection) -> SamplerSettings:
+        get_sampler(section.backend)
+        return cls(
+            section.backend,
+            section.temperature,
+            section.top_p,
+            section.max_tokens,
+            section.top_k_logprobs,
+            section.batch_size,
+            section.refresh_every,
+            section.params,
+        )
+
+    def sampling(self, seed: int) -> SamplingParams:
+        """The training rollouts' sampling parameters with ``seed``."""
+        return SamplingParams(self.temperature, self.top_p, self.max_tokens, self.top_k_logprobs, seed)
+
+
+def make_sampler(settings: SamplerSettings, model, tokenizer, *, stale: bool | None = None) -> Sampler:
+    """The sampler ``settings.backend`` for a policy.
+
+    ``stale`` (default: ``settings.refresh_every > 1``) keeps the sampler's own copy of the
     weights between :meth:`Sampler.refresh` calls.
     """
-    spec = get_sampler(cfg.backend)
-    return _resolve(spec.factory)(model, tokenizer, cfg, stale=cfg.refresh_every > 1 if stale is None else stale)
+    spec = get_sampler(settings.backend)
+    stale = settings.refresh_every > 1 if stale is None else stale
+    return _resolve(spec.factory)(model, tokenizer, settings, stale=stale)
 
 
 _register_builtin_backends()
 
-__all__ = ["SAMPLERS", "Sampler", "SamplerParams", "SamplerSpec", "get_sampler", "make_sampler", "register_sampler"]
+__all__ = [
+    "SAMPLERS",
+    "Sampler",
+    "SamplerParams",
+    "SamplerSection",
+    "SamplerSettings",
+    "SamplerSpec",
+    "get_sampler",
+    "make_sampler",
+    "register_sampler",
+]

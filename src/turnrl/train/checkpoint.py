@@ -16,7 +16,7 @@ import fcntl
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,39 @@ class RunState:
     sampler_version: int = 0
     train_seconds: float = 0.0
     """Wall-clock seconds spent in training steps (for ``train.max_seconds``)."""
+
+
+@dataclass
+class Checkpoint:
+    """The resumable state of a run, as saved in ``checkpoint/state.pt``.
+
+    On disk it is a mapping of plain values and tensors (:meth:`to_payload`), read back with
+    ``weights_only=True`` (:meth:`from_payload`); in the code it is this typed record.
+    """
+
+    state: RunState = field(default_factory=RunState)
+    summary: dict[str, Any] = field(default_factory=dict)
+    """The evaluations so far (``base``, ``final``): ``progress/summary.json``."""
+    trainer: dict[str, Any] = field(default_factory=dict)
+    """:meth:`Trainer.state_dict` (adapter, optimizer, schedule)."""
+    sampler: dict[str, Any] = field(default_factory=dict)
+    """:meth:`Sampler.state_dict` (version, stale snapshot)."""
+    rng: dict[str, Any] = field(default_factory=dict)
+    rows: dict[str, int] = field(default_factory=dict)
+    """Rows of every progress and rollout file when it was written (:func:`truncate_to` cuts back to them)."""
+
+    def to_payload(self) -> dict[str, Any]:
+        return {f.name: asdict(self.state) if f.name == "state" else getattr(self, f.name) for f in fields(self)}
+
+    @classmethod
+    def from_payload(cls, payload: Any) -> Checkpoint:
+        names = [f.name for f in fields(cls)]
+        if not isinstance(payload, dict) or not set(names) <= set(payload):
+            have = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
+            raise ValueError(f"not a turnrl checkpoint (needs {', '.join(names)}; has {have})")
+        values = {name: payload[name] for name in names}
+        values["state"] = RunState(**values["state"])
+        return cls(**values)
 
 
 def _lines(path: Path) -> list[str]:
@@ -119,14 +152,9 @@ def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: dic
 
     if not is_main():  # several processes: rank 0 writes (every rank holds the same state)
         return
-    payload = {
-        "state": dict(state.__dict__),
-        "summary": summary,
-        "trainer": trainer.state_dict(),
-        "sampler": sampler.state_dict(),
-        "rng": _rng_state(),
-        "rows": row_counts(run),
-    }
+    payload = Checkpoint(
+        state, summary, trainer.state_dict(), sampler.state_dict(), _rng_state(), row_counts(run)
+    ).to_payload()
     run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     tmp = run.checkpoint.with_name(run.checkpoint.name + ".tmp")
     try:
@@ -145,11 +173,11 @@ def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: dic
         ) from None
 
 
-def load_checkpoint(run: RunDir) -> dict[str, Any] | None:
+def load_checkpoint(run: RunDir) -> Checkpoint | None:
     if not run.checkpoint.exists():
         return None
     try:
-        return torch.load(run.checkpoint, weights_only=True)
+        return Checkpoint.from_payload(torch.load(run.checkpoint, weights_only=True))
     except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same clear message
         raise ResumeError(
             f"the checkpoint {run.checkpoint} cannot be read ({type(exc).__name__}: {str(exc)[:200]});"

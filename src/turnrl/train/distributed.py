@@ -63,16 +63,18 @@ for a LoRA on a frozen base it shards the same thing FSDP does here.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import zlib
 from typing import Any
 
 import torch
 
-from turnrl.config import RunConfig
 from turnrl.train.batch import Row
 from turnrl.train.step import (
     LocalTrainer,
+    StepSettings,
     StepTotals,
     Trainer,
     accumulate_gradients,
@@ -221,8 +223,8 @@ def _any_rank(flag: bool, device: torch.device | None = None) -> bool:
 class DistributedTrainer(LocalTrainer):
     """:class:`LocalTrainer` on one rank's shard of rows, with the global normalisers and summed gradients."""
 
-    def __init__(self, model, cfg: RunConfig, pad_id: int) -> None:
-        super().__init__(model, cfg, pad_id)
+    def __init__(self, model, settings: StepSettings, pad_id: int) -> None:
+        super().__init__(model, settings, pad_id)
         self.rank, self.world = rank(), launched_world_size()
         self.device = next(model.parameters()).device
         self._reduced = False
@@ -243,7 +245,7 @@ class DistributedTrainer(LocalTrainer):
             sums = accumulate_gradients(
                 self.model,
                 shard,
-                self.cfg,
+                self.settings,
                 pad_id=self.pad_id,
                 totals=totals,
                 old_logprobs=self.old_logprobs,
@@ -255,7 +257,7 @@ class DistributedTrainer(LocalTrainer):
 
     def _check_shards(self, shard: list[Row], totals: StepTotals) -> None:
         """The ranks' shards together must be the batch every rank collected."""
-        totals_global = global_totals(shard, self.cfg.sampler.max_tokens, self.device)
+        totals_global = global_totals(shard, self.settings.max_tokens_per_turn, self.device)
         if _any_rank(totals_global != totals, self.device):
             raise RuntimeError(
                 f"the ranks collected different batches (this rank: {totals}, the ranks' shards together:"
@@ -320,7 +322,7 @@ def placeholder_row(like: Row) -> Row:
     return Row(like.ids[:n], [0] * n, [0.0] * n, like.behavior_logprobs[:n], like.turn, "", *topk)
 
 
-def lockstep_plan(rows: list[Row], cfg: RunConfig, rank: int, world: int) -> list[list[Row]]:
+def lockstep_plan(rows: list[Row], settings: StepSettings, rank: int, world: int) -> list[list[Row]]:
     """This rank's micro-batches when every rank must run the same forwards and backwards (FSDP).
 
     Every rank builds the same global plan from the whole batch: per turn index when
@@ -328,9 +330,9 @@ def lockstep_plan(rows: list[Row], cfg: RunConfig, rank: int, world: int) -> lis
     rank r takes rows r, r + world, ... of each. A rank with no row in a micro-batch gets a
     :func:`placeholder_row`. The real rows of all ranks' plans partition ``rows``.
     """
-    size = cfg.train.micro_batch_size * world
+    size = settings.micro_batch_size * world
     plan = []
-    for group in pass_groups(rows, cfg.train.decompose_turns):
+    for group in pass_groups(rows, settings.decompose_turns):
         group = sorted(group, key=lambda r: (-len(r.ids), -sum(r.mask)))
         for chunk in micro_batches(group, size):
             plan.append(chunk[rank::world] or [placeholder_row(chunk[0])])
@@ -355,12 +357,17 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 class ShardedTrainer(DistributedTrainer):
     """:class:`DistributedTrainer` with each decoder layer's frozen weights sharded over the ranks (FSDP2)."""
 
-    def __init__(self, model, cfg: RunConfig, pad_id: int) -> None:
+    def __init__(self, model, settings: StepSettings, pad_id: int) -> None:
         from torch.distributed.fsdp import fully_shard
 
         # one forward per micro-batch (the row-at-a-time path) keeps the ranks' gathers paired
-        cfg = cfg.model_copy(update={"train": cfg.train.model_copy(update={"shared_prefix": False})})
-        super().__init__(model, cfg, pad_id)
+        if settings.shared_prefix:
+            logging.getLogger(__name__).warning(
+                "train.shared_prefix: true is turned off under FSDP (the sharded trainer runs one forward per"
+                " micro-batch so the ranks' gathers pair up); set train.shared_prefix: false to silence this"
+            )
+            settings = dataclasses.replace(settings, shared_prefix=False)
+        super().__init__(model, settings, pad_id)
         reshard = os.environ.get("FSDP_RESHARD_AFTER_FORWARD", "true").lower() != "false"
         for layer in decoder_layers(model):
             trainable = {p for p in layer.parameters() if p.requires_grad}
@@ -368,13 +375,13 @@ class ShardedTrainer(DistributedTrainer):
 
     def shard(self, rows: list[Row]) -> tuple[list[Row], list[list[Row]] | None]:
         """This rank's share of the :func:`lockstep_plan` (placeholder rows are not in the shard)."""
-        plan = lockstep_plan(rows, self.cfg, self.rank, self.world)
+        plan = lockstep_plan(rows, self.settings, self.rank, self.world)
         return [r for mb in plan for r in mb if any(r.mask)], plan
 
 
-def make_trainer(model, cfg: RunConfig, pad_id: int) -> Trainer:
+def make_trainer(model, settings: StepSettings, pad_id: int) -> Trainer:
     """The trainer for this process: :class:`ShardedTrainer` under an FSDP launch,
     :class:`DistributedTrainer` under another multi-process launch, else local."""
     if active():
-        return (ShardedTrainer if fsdp_launched() else DistributedTrainer)(model, cfg, pad_id)
-    return LocalTrainer(model, cfg, pad_id)
+        return (ShardedTrainer if fsdp_launched() else DistributedTrainer)(model, settings, pad_id)
+    return LocalTrainer(model, settings, pad_id)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from turnrl.config import RunConfig
+from turnrl.config import LoraConfig, ModelConfig, RunConfig
 from turnrl.models import attach_lora, enable_gradient_checkpointing, load_model, merge_adapters
 from turnrl.rundir import RunDir
-from turnrl.train.checkpoint import ResumeError
 
 
 def step_seed(seed: int, step: int, salt: int = 0) -> int:
@@ -15,18 +16,31 @@ def step_seed(seed: int, step: int, salt: int = 0) -> int:
     return (seed * 1_000_003 + step * 7_919 + salt) % (2**31)
 
 
-def build_policy(cfg: RunConfig, run: RunDir, iteration: int):
+@dataclass(frozen=True)
+class PolicySettings:
+    """What builds an iteration's policy: the base model, the LoRA, the seed, gradient checkpointing."""
+
+    model: ModelConfig
+    seed: int = 0
+    gradient_checkpointing: bool = False
+
+    @property
+    def lora(self) -> LoraConfig:
+        return self.model.lora
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> PolicySettings:
+        return cls(cfg.model.model_copy(deep=True), cfg.seed, cfg.train.gradient_checkpointing)
+
+
+def build_policy(settings: PolicySettings, run: RunDir, iteration: int):
     """Base model with adapters 0..iteration−1 merged in, plus a fresh trainable LoRA; and the tokenizer."""
-    base, tokenizer = load_model(cfg.model, seed=cfg.seed)
+    base, tokenizer = load_model(settings.model, seed=settings.seed)
     if iteration > 0:
-        dirs = [run.adapter(i) for i in range(iteration)]
-        missing = [str(d) for d in dirs if not d.exists()]
-        if missing:
-            raise ResumeError(f"cannot build iteration {iteration}: missing adapters {', '.join(missing)}")
-        base = merge_adapters(base, dirs)
-    if cfg.train.gradient_checkpointing:
+        base = merge_adapters(base, run.adapters_through(iteration - 1, purpose=f"cannot build iteration {iteration}"))
+    if settings.gradient_checkpointing:
         enable_gradient_checkpointing(base)
-    torch.manual_seed(step_seed(cfg.seed, 0, salt=iteration))
-    model = attach_lora(base, cfg.model.lora)
+    torch.manual_seed(step_seed(settings.seed, 0, salt=iteration))
+    model = attach_lora(base, settings.lora)
     model.train()  # from_pretrained returns eval mode; gradient checkpointing acts in train mode only
     return model, tokenizer

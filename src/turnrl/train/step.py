@@ -25,9 +25,56 @@ import torch
 
 from turnrl import losses
 from turnrl.config import RunConfig
+from turnrl.losses import LossPlan
 from turnrl.train.batch import Row, collate
 from turnrl.train.logprobs import token_logprobs
 from turnrl.train.packing import packed_token_logprobs
+
+
+@dataclass(frozen=True)
+class StepSettings:
+    """How a run updates the policy, resolved once: micro-batching, the log-prob path, the optimizer
+    and its schedule, and the loss plan."""
+
+    loss: LossPlan
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    micro_batch_size: int = 8
+    shared_prefix: bool = True
+    max_pack_tokens: int = 8192
+    num_iterations: int = 1
+    decompose_turns: bool = False
+    logprob_chunk: int = 256
+    lr_scheduler: str = "constant"
+    warmup_steps: int = 0
+    schedule_steps: int = 1
+    """Optimizer steps of one outer iteration (steps × ``num_iterations``): the schedule's length."""
+    max_tokens_per_turn: int = 64
+    """``sampler.max_tokens``: L_max of the ``constant`` normaliser is turns × this."""
+    temperature: float = 1.0
+    """The sampling temperature the log-probs are computed at (``sampler.temperature``, 0 → 1)."""
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> StepSettings:
+        t = cfg.train
+        return cls(
+            loss=LossPlan.from_config(cfg.loss),
+            lr=t.lr,
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            micro_batch_size=t.micro_batch_size,
+            shared_prefix=t.shared_prefix,
+            max_pack_tokens=t.max_pack_tokens,
+            num_iterations=t.num_iterations,
+            decompose_turns=t.decompose_turns,
+            logprob_chunk=t.logprob_chunk,
+            lr_scheduler=t.lr_scheduler,
+            warmup_steps=t.warmup_steps,
+            schedule_steps=max(1, (cfg.loop.steps_per_iteration or t.steps) * t.num_iterations),
+            max_tokens_per_turn=cfg.sampler.max_tokens,
+            temperature=cfg.sampler.temperature or 1.0,
+        )
 
 
 @dataclass
@@ -60,18 +107,18 @@ def micro_batches(rows: list[Row], size: int) -> Iterator[list[Row]]:
         yield rows[s : s + size]
 
 
-def micro_batch_plan(rows: list[Row], cfg: RunConfig) -> list[list[Row]]:
+def micro_batch_plan(rows: list[Row], settings: StepSettings) -> list[list[Row]]:
     """The micro-batches of one pass over ``rows``, in order: ``train.micro_batch_size`` rows each, per turn
     index when decomposing."""
-    size = cfg.train.micro_batch_size
-    return [mb for group in pass_groups(rows, cfg.train.decompose_turns) for mb in micro_batches(group, size)]
+    size = settings.micro_batch_size
+    return [mb for group in pass_groups(rows, settings.decompose_turns) for mb in micro_batches(group, size)]
 
 
-def logprob_function(cfg: RunConfig):
-    """The log-prob path of ``cfg.train``: shared-prefix packing (default) or one row at a time."""
-    if not cfg.train.shared_prefix:
+def logprob_function(settings: StepSettings):
+    """The log-prob path: shared-prefix packing (default) or one row at a time."""
+    if not settings.shared_prefix:
         return token_logprobs
-    budget = cfg.train.max_pack_tokens
+    budget = settings.max_pack_tokens
 
     def packed(model, batch, chunk=256, temperature=1.0, aux_ids=None):
         return packed_token_logprobs(model, batch, chunk, temperature, aux_ids, max_pack_tokens=budget)
@@ -82,7 +129,7 @@ def logprob_function(cfg: RunConfig):
 def accumulate_gradients(
     model,
     rows: list[Row],
-    cfg: RunConfig,
+    settings: StepSettings,
     *,
     pad_id: int,
     totals: StepTotals | None = None,
@@ -96,27 +143,28 @@ def accumulate_gradients(
     missing entries are filled in with the current (detached) log-probs. ``plan`` replaces
     :func:`micro_batch_plan` (the sharded trainer's lock-step micro-batches).
     """
-    totals = totals or StepTotals.of(rows, cfg.sampler.max_tokens)
-    logprobs = logprob_function(cfg)
+    totals = totals or StepTotals.of(rows, settings.max_tokens_per_turn)
+    logprobs = logprob_function(settings)
     device = next(model.parameters()).device
-    temperature = cfg.sampler.temperature or 1.0
+    temperature = settings.temperature
+    chunk, loss_plan = settings.logprob_chunk, settings.loss
     sums: dict[str, float] = defaultdict(float)
-    for mb_index, mb in enumerate(micro_batch_plan(rows, cfg) if plan is None else plan):
+    for mb_index, mb in enumerate(micro_batch_plan(rows, settings) if plan is None else plan):
         batch = collate(mb, pad_id).to(device)
         aux_ids = None
-        spec = cfg.loss.spec
+        spec = loss_plan.spec
         if spec.num_aux is not None:
-            params = cfg.loss.params
+            params = loss_plan.params
             if batch.topk_ids is None:
-                raise ValueError(f"loss.type {cfg.loss.type} needs the sampler's top-k log-probs on every row")
+                raise ValueError(f"loss.type {loss_plan.type} needs the sampler's top-k log-probs on every row")
             aux_ids = losses.sample_aux_tokens(
                 batch.topk_ids, batch.topk_logprobs, spec.num_aux(params), generator, top_k=spec.aux_top_k(params)
             )
-        logp, aux_logp = logprobs(model, batch, cfg.train.logprob_chunk, temperature, aux_ids)
+        logp, aux_logp = logprobs(model, batch, chunk, temperature, aux_ids)
         ref_logp = None
-        if cfg.loss.beta > 0:
+        if loss_plan.beta > 0:
             with torch.no_grad(), model.disable_adapter():
-                ref_logp, _ = logprobs(model, batch, cfg.train.logprob_chunk, temperature)
+                ref_logp, _ = logprobs(model, batch, chunk, temperature)
         if old_logprobs is not None and mb_index in old_logprobs:
             old = old_logprobs[mb_index]
         else:
@@ -124,7 +172,7 @@ def accumulate_gradients(
             if old_logprobs is not None:
                 old_logprobs[mb_index] = old
         per_token, metrics = losses.per_token_loss(
-            cfg.loss,
+            loss_plan,
             logp,
             old,
             batch.behavior_logprobs,
@@ -136,7 +184,7 @@ def accumulate_gradients(
         loss = losses.normalize(
             per_token,
             batch.loss_mask,
-            cfg.loss.norm,
+            loss_plan.norm,
             total_tokens=totals.tokens,
             total_rows=totals.rows,
             max_len=totals.max_len,
@@ -177,30 +225,30 @@ class Trainer(Protocol):
     def save_adapter(self, path: Path) -> None: ...
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, cfg: RunConfig):
+def make_scheduler(optimizer: torch.optim.Optimizer, settings: StepSettings):
     """``train.lr_scheduler`` with ``train.warmup_steps`` over one iteration's optimizer steps
     (steps × ``num_iterations``), through transformers' ``get_scheduler``."""
     from transformers import get_scheduler
 
-    t = cfg.train
-    total = max(1, (cfg.loop.steps_per_iteration or t.steps) * t.num_iterations)
-    name = t.lr_scheduler
-    if name == "constant" and t.warmup_steps:
+    name = settings.lr_scheduler
+    if name == "constant" and settings.warmup_steps:
         name = "constant_with_warmup"
-    return get_scheduler(name, optimizer, num_warmup_steps=t.warmup_steps, num_training_steps=total)
+    return get_scheduler(
+        name, optimizer, num_warmup_steps=settings.warmup_steps, num_training_steps=settings.schedule_steps
+    )
 
 
 class LocalTrainer:
     """One process: a peft model with a trainable LoRA and its AdamW optimizer."""
 
-    def __init__(self, model, cfg: RunConfig, pad_id: int) -> None:
+    def __init__(self, model, settings: StepSettings, pad_id: int) -> None:
         self.model = model
-        self.cfg = cfg
+        self.settings = settings
         self.pad_id = pad_id
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay)
-        self.scheduler = make_scheduler(self.optimizer, cfg)
-        self.last_lr = cfg.train.lr
+        self.optimizer = torch.optim.AdamW(self.params, lr=settings.lr, weight_decay=settings.weight_decay)
+        self.scheduler = make_scheduler(self.optimizer, settings)
+        self.last_lr = settings.lr
         """The learning rate of the last optimizer step."""
         self.generator: torch.Generator | None = None
         """Draws auxiliary tokens (centered loss); seeded by the loop every step."""
@@ -209,13 +257,13 @@ class LocalTrainer:
 
     def begin_batch(self, seed: int | None) -> None:
         self.generator = None if seed is None else torch.Generator().manual_seed(seed)
-        self.old_logprobs = {} if self.cfg.train.num_iterations > 1 else None
+        self.old_logprobs = {} if self.settings.num_iterations > 1 else None
 
     def forward_backward(self, rows: list[Row], totals: StepTotals) -> dict[str, float]:
         return accumulate_gradients(
             self.model,
             rows,
-            self.cfg,
+            self.settings,
             pad_id=self.pad_id,
             totals=totals,
             old_logprobs=self.old_logprobs,
@@ -223,7 +271,7 @@ class LocalTrainer:
         )
 
     def optim_step(self) -> float:
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.cfg.train.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, self.settings.grad_clip)
         self.last_lr = float(self.optimizer.param_groups[0]["lr"])
         self.optimizer.step()
         self.scheduler.step()
@@ -256,19 +304,20 @@ class LocalTrainer:
         save_adapter(self.model, path)
 
 
-def update(trainer: Trainer, rows: list[Row], cfg: RunConfig, seed: int | None = None) -> dict[str, float]:
+def update(trainer: Trainer, rows: list[Row], settings: StepSettings, seed: int | None = None) -> dict[str, float]:
     """All ``train.num_iterations`` passes over one batch of rows, each ending in an optimizer step.
 
     With several passes, the first pass's log-probs are the old policy's for the later ones.
-    ``seed`` seeds the batch's auxiliary-token draws (centered loss).
+    ``seed`` seeds the batch's auxiliary-token draws (centered loss). The metrics are the last
+    pass's (so ``approx_kl`` is KL(π_old ‖ π) after ``num_iterations − 1`` updates; 0 for one pass).
     """
-    totals = StepTotals.of(rows, cfg.sampler.max_tokens)
+    totals = StepTotals.of(rows, settings.max_tokens_per_turn)
     trainer.begin_batch(seed)
     metrics: dict[str, float] = {}
-    for _ in range(cfg.train.num_iterations):
+    for _ in range(settings.num_iterations):
         sums = trainer.forward_backward(rows, totals)
         grad_norm = trainer.optim_step()
-        metrics = losses.finalize_metrics(sums)
+        metrics = losses.finalize_metrics(sums, exclude=("loss",))
         metrics.update(loss=sums["loss"], grad_norm=grad_norm, num_tokens=sums["trained_tokens"])
     metrics["lr"] = trainer.last_lr
     return metrics
