@@ -63,6 +63,7 @@ ALLOWED = {
     "sandbox": set(),
     "envs": {"types", "tasks", "sandbox", "rundir"},
     "sampling": {"types", "chat", "models"},
+    "rollout": {"types", "chat", "credit", "envs", "sampling"},
     "models": {"config", "losses"},
     "config": {"losses", "sections"},
     "sections": set(),
@@ -115,6 +116,53 @@ def test_a_plugin_kind_is_found_without_hasattr():
     for path in core:
         text = path.read_text()
         assert "hasattr(" not in text and "sys.modules" not in text, path
+
+
+# The run object and what drives it: the only code that reads the whole run config. Every stage below it
+# takes its own settings (a frozen type with a ``from_config`` that reads only its keys).
+RUN_LEVEL = {"turnrl.config", "turnrl.cli", "turnrl.export", "turnrl.train.run", "turnrl.train.loop"}
+RUN_LEVEL_PREFIXES = ("turnrl.experiments",)
+ENTRY_POINTS = {
+    ("turnrl.eval", "run_eval"),  # standalone `turnrl eval`: builds its own settings from the config
+    ("turnrl.train.checkpoint", "check_resume_config"),  # the run's resume check, called by Run.prepare
+}
+
+
+def _signatures():
+    """(module, function, parameter, annotation source or None) of every function in the package."""
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                a = node.args
+                for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs]:
+                    yield module, node.name, arg.arg, ast.unparse(arg.annotation) if arg.annotation else None
+
+
+def test_no_stage_takes_its_settings_as_any():
+    """A function's settings are typed: no ``cfg: Any`` (nor an untyped ``cfg``/``settings``)."""
+    names = {"cfg", "config", "settings", "section", "plan"}
+    bad = sorted(
+        f"{m}.{fn}({arg}: {ann})" for m, fn, arg, ann in _signatures() if arg in names and ann in (None, "Any")
+    )
+    assert not bad, bad
+
+
+def test_only_the_run_object_takes_the_run_config():
+    """Below the run object no signature takes ``RunConfig``; a settings type's ``from_config`` may."""
+    bad = sorted(
+        f"{m}.{fn}({arg}: {ann})"
+        for m, fn, arg, ann in _signatures()
+        if ann is not None and "RunConfig" in ann
+        if m not in RUN_LEVEL and not m.startswith(RUN_LEVEL_PREFIXES)
+        if fn != "from_config" and (m, fn) not in ENTRY_POINTS
+    )
+    assert not bad, bad
+
+
+def test_the_checks_above_can_fail():
+    """The two signature checks see a ``cfg: Any`` and a ``RunConfig`` parameter where they are."""
+    found = {(m, fn) for m, fn, arg, ann in _signatures() if ann is not None and "RunConfig" in ann}
+    assert ("turnrl.train.step", "from_config") in found and ("turnrl.eval", "run_eval") in found
 
 
 @pytest.mark.parametrize("module", ["turnrl.models", "turnrl.config", "turnrl.sampling.hf", "turnrl.cli"])

@@ -9,13 +9,12 @@ own ``sampler.*`` parameters. ``register_sampler`` adds one from user code.
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel
 
-from turnrl.sampling.base import Sampler, SamplerParams
-from turnrl.types import SamplingParams
+from turnrl.sampling.base import Sampler, SamplerParams, SamplerSection, SamplerSettings
 
 
 @dataclass(frozen=True)
@@ -67,55 +66,6 @@ def _resolve(target: str | Any) -> Any:
     for part in attr.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-class SamplerSection(Protocol):
-    """The keys of the ``sampler`` config section that :class:`SamplerSettings` reads (this package
-    may not import the config: the section is passed in, and this Protocol says what it must have)."""
-
-    backend: str
-    temperature: float
-    top_p: float
-    max_tokens: int
-    top_k_logprobs: int
-    batch_size: int
-    refresh_every: int
-
-    @property
-    def params(self) -> BaseModel: ...
-
-
-@dataclass(frozen=True)
-class SamplerSettings:
-    """The sampler of a run, resolved once: the backend with its own parameters, how it samples,
-    how often its weights are refreshed. A backend's factory receives this object."""
-
-    backend: str = "hf"
-    temperature: float = 1.0
-    top_p: float = 1.0
-    max_tokens: int = 64
-    top_k_logprobs: int = 0
-    batch_size: int = 32
-    refresh_every: int = 1
-    params: BaseModel = field(default_factory=SamplerParams)
-
-    @classmethod
-    def from_config(cls, section: SamplerSection) -> SamplerSettings:
-        get_sampler(section.backend)
-        return cls(
-            section.backend,
-            section.temperature,
-            section.top_p,
-            section.max_tokens,
-            section.top_k_logprobs,
-            section.batch_size,
-            section.refresh_every,
-            section.params,
-        )
-
-    def sampling(self, seed: int) -> SamplingParams:
-        """The training rollouts' sampling parameters with ``seed``."""
-        return SamplingParams(self.temperature, self.top_p, self.max_tokens, self.top_k_logprobs, seed)
 
 
 def make_sampler(settings: SamplerSettings, model, tokenizer, *, stale: bool | None = None) -> Sampler:

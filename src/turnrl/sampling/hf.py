@@ -30,6 +30,7 @@ generating, so rollouts come from the policy of the last refresh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -38,6 +39,9 @@ from pydantic import Field
 from turnrl.chat import end_of_turn_ids
 from turnrl.sampling.base import SamplerParams
 from turnrl.types import Message, Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from turnrl.sampling.base import SamplerSettings
 
 
 class HFSamplerParams(SamplerParams):
@@ -117,9 +121,11 @@ class HFSampler:
             self._snapshot = self._trainable_state()
 
     @classmethod
-    def from_config(cls, model, tokenizer, cfg, *, stale: bool = False) -> HFSampler:
-        """The ``hf`` entry of the sampler registry (``cfg`` = the ``sampler`` config section)."""
-        return cls(model, tokenizer, batch_size=cfg.batch_size, stale=stale, reuse_kv_gib=cfg.params.reuse_kv_gib)
+    def from_config(cls, model, tokenizer, settings: SamplerSettings, *, stale: bool = False) -> HFSampler:
+        """The ``hf`` entry of the sampler registry (``settings``: the run's sampler settings)."""
+        return cls(
+            model, tokenizer, batch_size=settings.batch_size, stale=stale, reuse_kv_gib=settings.params.reuse_kv_gib
+        )
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:
         return {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}

@@ -58,6 +58,8 @@ from turnrl.types import Message, Sample, SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from turnrl.sampling.base import SamplerSettings
+
 
 class OpenAISamplerParams(SamplerParams):
     """``sampler.*`` keys of ``backend: openai``."""
@@ -248,9 +250,9 @@ class OpenAISampler(LoraFollower):
         self._base_name = params.served_model
 
     @classmethod
-    def from_config(cls, model, tokenizer, cfg, *, stale: bool = False) -> OpenAISampler:
-        """The ``openai`` entry of the sampler registry (``cfg`` = the ``sampler`` config section)."""
-        return cls(model, tokenizer, cfg.params, stale=stale)
+    def from_config(cls, model, tokenizer, settings: SamplerSettings, *, stale: bool = False) -> OpenAISampler:
+        """The ``openai`` entry of the sampler registry (``settings``: the run's sampler settings)."""
+        return cls(model, tokenizer, settings.params, stale=stale)
 
     # -- server calls ----------------------------------------------------------------
     def _call(self, fn, *args, **kwargs):

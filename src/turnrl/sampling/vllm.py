@@ -27,7 +27,7 @@ import itertools
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -35,6 +35,9 @@ from turnrl.chat import end_of_turn_ids
 from turnrl.sampling.base import SamplerParams
 from turnrl.sampling.openai import LoraFollower
 from turnrl.types import Message, Sample, SamplingParams
+
+if TYPE_CHECKING:
+    from turnrl.sampling.base import SamplerSettings
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 """``max_lora_rank`` values vLLM accepts."""
@@ -192,9 +195,9 @@ class VLLMSampler(LoraFollower):
             shutil.rmtree(self.work, ignore_errors=True)
 
     @classmethod
-    def from_config(cls, model, tokenizer, cfg, *, stale: bool = False) -> VLLMSampler:
-        """The ``vllm`` entry of the sampler registry (``cfg`` = the ``sampler`` config section)."""
-        return cls(model, tokenizer, cfg.params, stale=stale)
+    def from_config(cls, model, tokenizer, settings: SamplerSettings, *, stale: bool = False) -> VLLMSampler:
+        """The ``vllm`` entry of the sampler registry (``settings``: the run's sampler settings)."""
+        return cls(model, tokenizer, settings.params, stale=stale)
 
     def engine_kwargs(self, base_dir: Path) -> dict[str, Any]:
         """Arguments of ``vllm.LLM`` for this policy."""
