@@ -338,6 +338,7 @@ def test_killed_fsdp_run_resumes_and_matches_the_one_process_run(one_process_run
     assert killed.returncode != 0, killed.stderr[-2000:]
     resumed = _train(config, "--processes", "2", "--fsdp", "--resume", str(run))
     assert resumed.returncode == 0, resumed.stdout[-2000:] + resumed.stderr[-3000:]
+    assert "train.shared_prefix: true is turned off under FSDP" in resumed.stdout + resumed.stderr  # not silent
     _assert_same_training(run, one_process_run)
 
 
