@@ -117,7 +117,9 @@ def test_a_plugin_kind_is_found_without_hasattr():
         assert "hasattr(" not in text and "sys.modules" not in text, path
 
 
-@pytest.mark.parametrize("module", ["turnrl.models", "turnrl.config", "turnrl.sampling.hf", "turnrl.tracking", "turnrl.cli"])
+@pytest.mark.parametrize(
+    "module", ["turnrl.models", "turnrl.config", "turnrl.sampling.hf", "turnrl.tracking", "turnrl.cli"]
+)
 def test_module_imports_first_in_a_fresh_interpreter(module):
     """Registries are imported by name when a config section is built (config → sampling/credit/envs),
     which the source graph above cannot see: a module that is imported first must not meet a cycle."""
