@@ -120,3 +120,17 @@ def test_rows_command_prints_the_mask_report(tmp_path):
     assert re.findall(r"\d+(?:\.\d+)?", line.split("p0", 1)[1]) == ["3", "2", "7", "3", "5", "5", "0.667"]
     missing = CliRunner().invoke(app, ["rows", str(tmp_path / "nope")])
     assert missing.exit_code == 2 and "not a run directory" in missing.output
+
+
+@pytest.mark.parametrize("per_turn", [False, True])
+def test_rows_are_the_trainers_rows(per_turn):
+    """The report's rows are build_rows' rows: same count, same lengths, same trained tokens."""
+    from turnrl.train.batch import build_rows
+
+    episodes = [provenance_episode("a"), provenance_episode("b", first_advantage=None), provenance_episode("c")]
+    episodes[2].turns[1].advantage = None
+    trainer = build_rows(episodes, per_turn=per_turn)
+    report = mask_report(episodes, per_turn=per_turn)
+    assert [(r.episode_id, len(r.ids), sum(r.mask)) for r in trainer] == [
+        (r.episode_id, r.total, r.trained) for r in report
+    ]
