@@ -1,10 +1,28 @@
-"""Shared fixtures: the real SmolLM2 tokenizer and a tiny random model of its architecture."""
+"""Shared fixtures: the real SmolLM2 tokenizer, a tiny random model of its architecture, and registries
+restored after every test."""
 
 from __future__ import annotations
 
 import pytest
 
 from turnrl.config import ModelConfig
+
+
+def _registries() -> list[dict]:
+    """Every plug-in registry: environments, estimators, losses, samplers, tracking sinks."""
+    from turnrl import credit, envs, losses, sampling, tracking
+
+    return [envs.ENV_REGISTRY, credit.ESTIMATORS, losses.LOSSES, sampling.SAMPLERS, tracking.SINKS]
+
+
+@pytest.fixture(autouse=True)
+def _restore_registries():
+    """A test may register plug-ins freely: each registry is put back as it was when the test ends."""
+    saved = [(registry, dict(registry)) for registry in _registries()]
+    yield
+    for registry, entries in saved:
+        registry.clear()
+        registry.update(entries)
 
 
 @pytest.fixture(scope="session")

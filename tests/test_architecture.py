@@ -165,7 +165,9 @@ def test_the_checks_above_can_fail():
     assert ("turnrl.train.step", "from_config") in found and ("turnrl.eval", "run_eval") in found
 
 
-@pytest.mark.parametrize("module", ["turnrl.models", "turnrl.config", "turnrl.sampling.hf", "turnrl.cli"])
+@pytest.mark.parametrize(
+    "module", ["turnrl.models", "turnrl.config", "turnrl.sampling.hf", "turnrl.tracking", "turnrl.cli"]
+)
 def test_module_imports_first_in_a_fresh_interpreter(module):
     """Registries are imported by name when a config section is built (config → sampling/credit/envs),
     which the source graph above cannot see: a module that is imported first must not meet a cycle."""

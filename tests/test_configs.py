@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from turnrl.config import ConfigError, load_config, parse_config
+from turnrl.config import ConfigError, RunConfig, load_config, parse_config, read_config_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,7 +22,7 @@ def test_shipped_config_is_valid_and_its_tasks_load(path):
     cfg = load_config(path)
     assert cfg.run_name == path.stem  # a run directory named after its config
     get_env_class(cfg.env.name)
-    assert cfg.credit.spec and cfg.loss.spec and cfg.sampler.spec
+    _check_plugins(cfg, read_config_data(path))
     for split in ("train", "eval"):
         tasks = TaskSource.from_config(cfg).tasks(split)
         assert tasks, split
@@ -31,6 +31,36 @@ def test_shipped_config_is_valid_and_its_tasks_load(path):
     if cfg.env.name == "slosh_tank":  # building checks the sandbox layers; the kernel sandbox may be absent here
         opts["sandbox"] = {**opts.get("sandbox", {}), "allow_weaker": True}
     make_env(tasks[0], **opts)
+
+
+def _check_plugins(cfg: RunConfig, raw: dict) -> None:
+    """Each plug-in section chose the plug-in its file names (the default when it names none), hands
+    that plug-in every parameter the file sets for it, and the file sets none its plug-in ignores."""
+    for section_name in ("credit", "loss", "sampler", "tracking"):
+        section, given = getattr(cfg, section_name), raw.get(section_name) or {}
+        field = section._registry[2]
+        default = type(section).model_fields[field].default
+        assert section.kind == given.get(field, default), section_name
+        own = set(type(section).model_fields)
+        specs = {name: section.registry()[name] for name in section.chosen}
+        for key, value in given.items():
+            if key in own:
+                continue
+            owners = [name for name, spec in specs.items() if key in spec.params.model_fields]
+            assert owners, f"{section_name}.{key} is a parameter of no chosen plug-in of {sorted(specs)}"
+            for name in owners:
+                params = section.params_of(name)
+                assert isinstance(params, specs[name].params)
+                assert params.model_dump(mode="json")[key] == value, f"{section_name}.{key} for {name}"
+
+
+def test_plugin_check_catches_a_parameter_of_another_plugin():
+    """What the shipped-config check above refuses: a key only a plug-in that was not chosen reads."""
+    raw = {"credit": {"estimator": "group_mean", "gamma": 0.9}}  # gamma is stepwise's
+    with pytest.raises(AssertionError, match="credit.gamma is a parameter of no chosen plug-in"):
+        _check_plugins(parse_config(raw), raw)
+    raw = {"loss": {"type": "clip", "eps_hi": 0.28}}
+    _check_plugins(parse_config(raw), raw)
 
 
 def test_branched_needs_branching():

@@ -20,8 +20,10 @@ from pathlib import Path
 import pytest
 
 try:
+    from test_provenance import WordTokenizer, provenance_episode
     from test_tracking import FakeTokenizer, build_run
 except ImportError:  # tests collected as a package
+    from tests.test_provenance import WordTokenizer, provenance_episode
     from tests.test_tracking import FakeTokenizer, build_run
 
 from turnrl.tracking.report import write_report
@@ -121,6 +123,35 @@ def test_report_loads_with_plots_and_coloured_tokens(browser, tmp_path):
     page.click('.ep[data-episode-id="eval-s6-0"]')  # evaluation: nothing trained
     assert detail.locator(".tok[data-adv]").count() == 0 and detail.locator(".tok.act-untrained").count() > 0
 
+    view.check_clean()
+
+
+def test_report_colours_tokens_by_source_on_toggle(browser, tmp_path):
+    from turnrl.rundir import write_jsonl
+
+    write_jsonl(tmp_path / "rollouts" / "iter_000.jsonl", [provenance_episode()])
+    view = Page(browser, write_report(tmp_path, tokenizer=WordTokenizer()))
+    page = view.page
+    assert "0.667" in page.inner_text("#mask-report + table + p")  # the run's mask report
+    page.click('.ep[data-episode-id="p0"]')
+    detail = page.locator("#detail")
+    counts = {s: detail.locator(f'.seq .tok[data-src="{s}"]').count() for s in ("system", "user", "assistant", "tool")}
+    assert counts == {"system": 3, "user": 2, "assistant": 1 + 3 + 1 + 2, "tool": 3}  # the hand count
+    rows = detail.locator("table.rows tr.mask-row")
+    assert rows.count() == 1 and rows.first.inner_text().split() == "whole episode 3 2 7 3 5 5 0.667".split()
+
+    def background(selector: str) -> str:
+        return detail.locator(selector).first.evaluate("el => getComputedStyle(el).backgroundColor")
+
+    advantage = background(".tok.adv.pos")  # turn 0's action: coloured by its advantage
+    assert background('.tok.ctx[data-src="tool"]') == background('.tok.ctx[data-src="user"]')  # both grey
+    page.check("#by-source")
+    assert "by-source" in detail.get_attribute("class")
+    assert background('.tok[data-src="tool"]') == "rgb(166, 227, 161)"
+    assert background('.tok[data-src="user"]') == "rgb(159, 216, 247)"
+    assert background(".tok.adv.pos") == "rgb(255, 210, 138)" != advantage  # now the assistant colour
+    page.uncheck("#by-source")
+    assert background(".tok.adv.pos") == advantage
     view.check_clean()
 
 

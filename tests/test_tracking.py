@@ -16,11 +16,11 @@ import pytest
 
 from turnrl.config import ConfigError, RunConfig, TrackingConfig, dump_config
 from turnrl.rundir import write_jsonl
-from turnrl.tracking import remote as remote_mod
 from turnrl.tracking.plots import make_plots
-from turnrl.tracking.remote import MissingBackendError, WandbSink, make_sinks
+from turnrl.tracking.registry import MissingBackendError
+from turnrl.tracking.remote import WandbSink
 from turnrl.tracking.report import collect_episodes, write_report
-from turnrl.tracking.sinks import ConsoleSink, CsvSink, MultiSink, read_csv
+from turnrl.tracking.sinks import ConsoleSink, CsvSink, MultiSink, make_sinks, read_csv
 from turnrl.types import Episode, Turn
 
 HOSTILE = "</script><script>alert(1)</script>"
@@ -448,7 +448,8 @@ def test_tensorboard_sink_purges_on_resume(tmp_path, monkeypatch):
         def close(self):
             self.closed = True
 
-    monkeypatch.setattr(remote_mod, "_require", lambda backend: FakeWriter)
+    monkeypatch.setitem(sys.modules, "tensorboard", types.ModuleType("tensorboard"))
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", types.SimpleNamespace(SummaryWriter=FakeWriter))
     sinks = make_sinks(TrackingConfig(backends=["tensorboard"]), tmp_path, "demo", {}, resume_step=4)
     tb = sinks[1]
     tb.log_step(5, {"reward": 1.0})

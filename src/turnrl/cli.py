@@ -288,6 +288,20 @@ def report(
         _fail(exc)
 
 
+@app.command()
+def rows(
+    run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
+    limit: Annotated[int, typer.Option(min=0, help="Rows listed before the totals (0: totals only).")] = 20,
+) -> None:
+    """The mask report: each training row's tokens by source and the dilution of the policy's own tokens."""
+    try:
+        from turnrl.tracking.provenance import print_mask_report
+
+        print_mask_report(run_dir, console, limit=limit)
+    except _user_errors() as exc:
+        _fail(exc)
+
+
 def main() -> None:  # pragma: no cover
     sys.exit(app())
 

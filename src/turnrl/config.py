@@ -21,6 +21,7 @@ from pydantic import (
 )
 
 from turnrl.losses import MismatchConfig
+from turnrl.sections import ConfigError
 from turnrl.sections import PluginSection as _PluginSection
 from turnrl.sections import Section as _Section
 
@@ -197,9 +198,12 @@ class LoopConfig(_Section):
     """Steps in each iteration (default: train.steps)."""
 
 
-class TrackingConfig(_Section):
-    backends: list[Literal["csv", "console", "wandb", "tensorboard"]] = ["csv", "console"]
-    project: str = "turnrl"
+class TrackingConfig(_PluginSection):
+    """``tracking``: the metrics sinks (names of ``turnrl.tracking.SINKS``; the CSV/JSONL one is always on)
+    and their own parameters (``project`` for wandb), plus the run's plots, report and rollout files."""
+
+    _registry = ("turnrl.tracking", "SINKS", "backends")
+    backends: list[str] = ["csv", "console"]
     plots: bool = True
     report: bool = True
     save_rollouts: bool = True
@@ -308,10 +312,6 @@ class RunConfig(_Section):
                 n *= b
             return n
         return self.rollout.group_size
-
-
-class ConfigError(ValueError):
-    """A config file or override is invalid; the message names the key and the fix."""
 
 
 def format_errors(

@@ -1,9 +1,10 @@
 """Base classes of the config's sections: strict sections, and plug-in sections built from a registry.
 
-A :class:`PluginSection` names its plug-in (an estimator, loss or sampler backend) and
-takes that plug-in's own parameters, validated by the plug-in's pydantic model; the
-registry is looked up when a config is validated, so plug-ins registered from user
-code are accepted without editing the config module.
+A :class:`PluginSection` names its plug-in (an estimator, loss or sampler backend) or a
+list of them (the tracking sinks) and takes each plug-in's own parameters, validated
+by the plug-in's pydantic model; the registry is looked up when a config is validated,
+so plug-ins registered from user code are accepted without editing the config module.
+:class:`ConfigError` lives here, below every layer that reports a bad setting.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from pydantic import (
     model_validator,
 )
 from pydantic_core import PydanticCustomError
+
+
+class ConfigError(ValueError):
+    """A config file or override is invalid; the message names the key and the fix."""
 
 
 class Section(BaseModel):
@@ -42,6 +47,9 @@ class PluginSection(Section):
     switch plug-ins can share a base config). The chosen plug-in's parameters are
     validated by its own pydantic model and exposed as :attr:`params`; defaults of
     every registered plug-in are filled in, so the saved config is complete.
+
+    The naming field may hold a list of plug-ins (``tracking.backends``): each must be
+    registered, each one's parameters are validated, and :meth:`params_of` gives them.
     """
 
     model_config = ConfigDict(extra="allow", validate_assignment=True)
@@ -58,23 +66,36 @@ class PluginSection(Section):
         return getattr(self, self._registry[2])
 
     @property
+    def chosen(self) -> list[str]:
+        """The chosen plug-ins' names: ``[kind]``, or the list the naming field holds (unique, in order)."""
+        value = getattr(self, self._registry[2])
+        return list(dict.fromkeys(value)) if isinstance(value, list) else [value]
+
+    @property
     def spec(self) -> Any:
         return self.registry()[self.kind]
 
     @property
     def params(self) -> BaseModel:
         """The chosen plug-in's own parameters, validated."""
+        return self.params_of(self.kind)
+
+    def params_of(self, name: str) -> BaseModel:
+        """The own parameters of the registered plug-in ``name``, validated."""
         extra = self.__pydantic_extra__ or {}
-        fields = self.spec.params.model_fields
-        return self.spec.params.model_validate({k: v for k, v in extra.items() if k in fields})
+        model = self.registry()[name].params
+        return model.model_validate({k: v for k, v in extra.items() if k in model.model_fields})
 
     @field_validator("*", mode="after")
     @classmethod
     def _registered(cls, value: Any, info: ValidationInfo) -> Any:
-        if info.field_name == cls._registry[2] and value not in cls.registry():
-            raise ValueError(
-                f"{value!r} is not registered; choose one of {', '.join(map(repr, sorted(cls.registry())))}"
-            )
+        if info.field_name != cls._registry[2]:
+            return value
+        for name in value if isinstance(value, list) else [value]:
+            if name not in cls.registry():
+                raise ValueError(
+                    f"{name!r} is not registered; choose one of {', '.join(map(repr, sorted(cls.registry())))}"
+                )
         return value
 
     @model_validator(mode="after")
@@ -93,12 +114,14 @@ class PluginSection(Section):
                 "unknown key(s) {keys}; allowed keys here: {allowed}",
                 {"keys": unknown, "allowed": ", ".join(allowed)},
             )
-        try:
-            chosen = self.params.model_dump(mode="json")
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            key = ".".join(str(p) for p in err["loc"])
-            raise ValueError(f"{key}: {err['msg']} (got {err.get('input')!r}) for {field} {self.kind!r}") from None
+        chosen: dict[str, Any] = {}
+        for name in self.chosen:
+            try:
+                chosen |= self.params_of(name).model_dump(mode="json")
+            except ValidationError as exc:
+                err = exc.errors()[0]
+                key = ".".join(str(p) for p in err["loc"])
+                raise ValueError(f"{key}: {err['msg']} (got {err.get('input')!r}) for {field} {name!r}") from None
         filled = dict(chosen)
         for spec in registry.values():
             for key, value in spec.params().model_dump(mode="json").items():

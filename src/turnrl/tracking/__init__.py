@@ -1,7 +1,9 @@
 """Tracking: metrics sinks (CSV/JSONL, console, W&B, TensorBoard), plots and the HTML report.
 
-``sinks`` holds the always-available sinks (CSV/JSONL, console, multi) and
-``read_csv``; ``remote`` the optional W&B/TensorBoard sinks and ``make_sinks``.
+``registry`` holds :data:`SINKS` and ``register_sink`` (a sink is a class plus one
+registry call); ``sinks`` the always-available sinks (CSV/JSONL, console, multi),
+``make_sinks`` and ``read_csv``; ``remote`` the optional W&B/TensorBoard sinks;
+``provenance`` what a training row is made of (tokens per source).
 
 ``make_plots`` and ``write_report`` load matplotlib on first use, so a process that
 only logs metrics does not pay for it.
@@ -11,24 +13,40 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from turnrl.tracking.remote import MissingBackendError, TensorBoardSink, WandbSink, make_sinks
-from turnrl.tracking.sinks import ConsoleSink, CsvSink, MetricsSink, MultiSink, read_csv
+from turnrl.tracking.registry import (
+    SINKS,
+    MetricsSink,
+    MissingBackendError,
+    SinkContext,
+    SinkParams,
+    SinkSpec,
+    get_sink,
+    register_sink,
+)
+from turnrl.tracking.remote import TensorBoardSink, WandbSink
+from turnrl.tracking.sinks import ConsoleSink, CsvSink, MultiSink, make_sinks, read_csv
 
 if TYPE_CHECKING:
     from turnrl.tracking.plots import make_plots
     from turnrl.tracking.report import write_report
 
 __all__ = [
+    "SINKS",
     "ConsoleSink",
     "CsvSink",
     "MetricsSink",
     "MissingBackendError",
     "MultiSink",
+    "SinkContext",
+    "SinkParams",
+    "SinkSpec",
     "TensorBoardSink",
     "WandbSink",
+    "get_sink",
     "make_plots",
     "make_sinks",
     "read_csv",
+    "register_sink",
     "write_report",
 ]
 

@@ -1,8 +1,8 @@
-"""Optional metrics backends (W&B, TensorBoard) and :func:`make_sinks`, which builds the sinks
-``tracking.backends`` asks for.
+"""Optional metrics backends: W&B and TensorBoard, each one class and one registry entry.
 
-The backends are imported only when configured; a missing package raises
-:class:`MissingBackendError` with the install hint before any file is written.
+Their packages are imported only when configured; the entries name the modules and the
+install hint, so :func:`~turnrl.tracking.sinks.make_sinks` raises
+:class:`~turnrl.tracking.registry.MissingBackendError` with the hint before any file is written.
 Their own state lives in the run directory: ``wandb/`` (the run id a resumed run
 reuses) and ``tensorboard/`` (event files).
 """
@@ -15,38 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from turnrl.config import ConfigError, TrackingConfig
 from turnrl.rundir import atomic_write_text
-from turnrl.tracking.sinks import ConsoleSink, CsvSink, Metrics, MetricsSink, MultiSink, _numeric
-
-INSTALL_HINTS = {
-    "wandb": "pip install 'turnrl[wandb]'",
-    "tensorboard": "pip install 'turnrl[tensorboard]'",
-}
+from turnrl.tracking.registry import SinkContext, SinkParams, SinkSpec, register_sink
+from turnrl.tracking.sinks import Metrics, _numeric
 
 
-class MissingBackendError(ConfigError):
-    """A tracking backend named in ``tracking.backends`` is not installed."""
-
-
-def _require(backend: str) -> Any:
-    """Import an optional backend's module, or raise one clear error with the install hint."""
-    try:
-        if backend == "wandb":
-            import wandb
-
-            return wandb
-        if backend == "tensorboard":
-            import tensorboard  # noqa: F401  (checked first: torch's wrapper needs it)
-            from torch.utils.tensorboard import SummaryWriter
-
-            return SummaryWriter
-    except ImportError as exc:
-        raise MissingBackendError(
-            f"tracking.backends includes {backend!r} but it cannot be imported ({exc}); install it"
-            f" with: {INSTALL_HINTS[backend]}  (or remove {backend!r} from tracking.backends)"
-        ) from None
-    raise ValueError(f"unknown tracking backend {backend!r}")
+class WandbParams(SinkParams):
+    project: str = "turnrl"
+    """The W&B project the run is logged to (``tracking.project``)."""
 
 
 class WandbSink:
@@ -64,7 +40,8 @@ class WandbSink:
         config_dict: Mapping[str, Any],
         resume_step: int | None = None,
     ) -> None:
-        wandb = _require("wandb")
+        import wandb
+
         run_dir = Path(run_dir)
         id_file = run_dir / "wandb" / "turnrl_run_id"
         if resume_step is not None and id_file.exists():
@@ -86,6 +63,10 @@ class WandbSink:
         self.run.define_metric("eval/*", step_metric="step")
         self.run.define_metric("iteration")
         self.run.define_metric("iteration/*", step_metric="iteration")
+
+    @classmethod
+    def from_context(cls, context: SinkContext) -> WandbSink:
+        return cls(context.params.project, context.run_name, context.run_dir, context.config, context.resume_step)
 
     def log_step(self, step: int, metrics: Metrics) -> None:
         nums = _numeric(metrics)
@@ -111,16 +92,21 @@ class TensorBoardSink:
     """
 
     def __init__(self, run_dir: str | Path, config_dict: Mapping[str, Any], resume_step: int | None = None) -> None:
-        summary_writer = _require("tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
         root = Path(run_dir) / "tensorboard"
         purge = None if resume_step is None else resume_step + 1
-        self.steps = summary_writer(log_dir=str(root / "steps"), purge_step=purge)
-        self.iterations = summary_writer(log_dir=str(root / "iterations"))
+        self.steps = SummaryWriter(log_dir=str(root / "steps"), purge_step=purge)
+        self.iterations = SummaryWriter(log_dir=str(root / "iterations"))
         if resume_step is None:
             import yaml
 
             text = yaml.safe_dump(dict(config_dict), sort_keys=False)
             self.steps.add_text("config", "    " + text.replace("\n", "\n    "), 0)
+
+    @classmethod
+    def from_context(cls, context: SinkContext) -> TensorBoardSink:
+        return cls(context.run_dir, context.config, context.resume_step)
 
     def _scalars(self, writer: Any, prefix: str, step: int, metrics: Metrics) -> None:
         for key, value in _numeric(metrics).items():
@@ -142,40 +128,15 @@ class TensorBoardSink:
         self.iterations.close()
 
 
-def make_sinks(
-    cfg: TrackingConfig,
-    run_dir: str | Path,
-    run_name: str,
-    config_dict: Mapping[str, Any],
-    resume_step: int | None = None,
-    *,
-    console: Any = None,
-) -> list[MetricsSink]:
-    """The sinks ``tracking.backends`` asks for; the CSV/JSONL sink is always first.
-
-    ``resume_step``: the step a resumed run continues from (None: a fresh run).
-    The CSV/JSONL sink then appends to the progress files as they are (the
-    loop has cut them back to the checkpoint); W&B continues the same run and
-    TensorBoard purges its events after ``resume_step``.
-    ``console``: the rich Console the console sink prints to (default: a new one).
-
-    Optional backends are checked before anything is created, so a missing
-    package fails fast with :class:`MissingBackendError` and leaves no files.
-    Wrap the result in :class:`MultiSink` to hand the trainer one object.
-    """
-    for backend in cfg.backends:
-        if backend in INSTALL_HINTS:
-            _require(backend)
-    sinks: list[MetricsSink] = [CsvSink(run_dir, resume=resume_step is not None)]
-    try:
-        for backend in dict.fromkeys(cfg.backends):  # unique, in order
-            if backend == "console":
-                sinks.append(ConsoleSink(console))
-            elif backend == "wandb":
-                sinks.append(WandbSink(cfg.project, run_name, run_dir, config_dict, resume_step))
-            elif backend == "tensorboard":
-                sinks.append(TensorBoardSink(run_dir, config_dict, resume_step))
-    except BaseException:
-        MultiSink(sinks).close()
-        raise
-    return sinks
+register_sink(
+    "wandb", SinkSpec(WandbSink.from_context, WandbParams, requires=("wandb",), install="pip install 'turnrl[wandb]'")
+)
+register_sink(
+    "tensorboard",
+    SinkSpec(
+        TensorBoardSink.from_context,
+        # tensorboard first: torch's wrapper needs it and its own ImportError names torch
+        requires=("tensorboard", "torch.utils.tensorboard"),
+        install="pip install 'turnrl[tensorboard]'",
+    ),
+)

@@ -23,8 +23,13 @@ episode's tokens become DOM nodes only when it is opened.
 With a tokenizer, every token is its own span: action tokens coloured by the
 advantage they were trained with (green positive, red negative, intensity by
 |A| relative to the run's 95th percentile), context and environment tokens
-grey. Without one, each action is a single span of its ``action_text`` and the
-environment's replies are shown as text.
+grey; a toggle colours every token by its provenance instead (system, user,
+assistant, tool: ``Turn.prompt_sources``). Without one, each action is a single
+span of its ``action_text`` and the environment's replies are shown as text.
+
+The mask report (:mod:`turnrl.tracking.provenance`) is shown twice: a table of the
+training rows' tokens per source and the dilution of the policy's own tokens over
+every training rollout, and, for an opened episode, each of its rows.
 """
 
 from __future__ import annotations
@@ -46,8 +51,9 @@ import yaml
 
 from turnrl.rundir import RunDir, atomic_write_text, iter_episodes
 from turnrl.tracking.plots import PLOT_NAMES, make_plots, rollout_files
+from turnrl.tracking.provenance import SOURCE_NAMES, episode_rows, mask_report, rows_per_turn, summarize
 from turnrl.tracking.sinks import read_csv
-from turnrl.types import Episode, new_prompt_lengths
+from turnrl.types import SOURCES, Episode, Turn, new_prompt_lengths, run_lengths, token_sources
 
 ASSETS = ("report.html", "report.css", "report.js")
 """The page template, its style sheet and its script: package data in ``turnrl/tracking/assets/``."""
@@ -121,7 +127,15 @@ def _num(value: Any, digits: int = 4) -> float | None:
     return round(float(value), digits)
 
 
-def _encode_episode(ep: Episode, src: str, kind: str, table: _TokenTable | None) -> dict[str, Any]:
+def _source_runs(turn: Turn, start: int) -> list[list[int]] | None:
+    """Provenance of ``turn.prompt_ids[start:]`` as ``[[index in SOURCES, count], ...]`` (None: not recorded)."""
+    sources = token_sources(turn)
+    if sources is None:
+        return None
+    return [[SOURCES.index(name), n] for name, n in run_lengths(sources[start : len(turn.prompt_ids)])]
+
+
+def _encode_episode(ep: Episode, src: str, kind: str, table: _TokenTable | None, per_turn: bool) -> dict[str, Any]:
     if table is not None:
         try:  # each turn shows only the context tokens its predecessor did not
             new = new_prompt_lengths(ep)
@@ -148,6 +162,9 @@ def _encode_episode(ep: Episode, src: str, kind: str, table: _TokenTable | None)
         if table is not None:
             turn["c"] = table.run(t.prompt_ids[len(t.prompt_ids) - new[k] :])
             turn["a"] = table.run(t.action_ids)
+            runs = _source_runs(t, len(t.prompt_ids) - new[k])
+            if runs is not None:
+                turn["cs"] = runs
             turn["lp"] = logprobs
             if rebuilt and k > 0:
                 turn["rebuilt"] = True
@@ -167,6 +184,9 @@ def _encode_episode(ep: Episode, src: str, kind: str, table: _TokenTable | None)
         "p": None if table is not None else ep.prompt or "",
         "m": {k: _num(v) for k, v in ep.metrics.items() if _num(v) is not None},
         "T": turns,
+        "rows": [
+            [r.turn, [r.tokens[n] for n in SOURCE_NAMES], r.sampled, r.trained] for r in episode_rows(ep, per_turn)
+        ],
     }
 
 
@@ -199,8 +219,12 @@ def _sample_file(path: Path, count: int, budget: int) -> list[Episode]:
     return [ep for i, ep in enumerate(iter_episodes(path)) if i in keep]
 
 
-def collect_episodes(run_dir: str | Path, tokenizer: Any = None, max_episodes: int = 2000) -> dict[str, Any]:
-    """The transcript browser's data: sampled episodes plus the token tables (JSON-ready)."""
+def collect_episodes(
+    run_dir: str | Path, tokenizer: Any = None, max_episodes: int = 2000, per_turn: bool = False
+) -> dict[str, Any]:
+    """The transcript browser's data: sampled episodes plus the token tables (JSON-ready).
+
+    ``per_turn``: the run trained per-turn rows (each episode's mask report lists its rows so)."""
     train_files, eval_files = rollout_files(run_dir)
     sources = [(p, "train", f"iteration {it}") for it, p in train_files]
     sources += [(p, "eval", f"eval @ step {step}") for step, p in eval_files]
@@ -220,7 +244,7 @@ def collect_episodes(run_dir: str | Path, tokenizer: Any = None, max_episodes: i
                 "shown": len(records),
             }
         )
-        episodes += [_encode_episode(ep, path.stem, kind, table) for ep in records]
+        episodes += [_encode_episode(ep, path.stem, kind, table, per_turn) for ep in records]
     mags = sorted(abs(t["A"]) for ep in episodes for t in ep["T"] if t["A"] is not None)
     scale = mags[min(len(mags) - 1, int(0.95 * len(mags)))] if mags else 1.0
     return {
@@ -232,6 +256,7 @@ def collect_episodes(run_dir: str | Path, tokenizer: Any = None, max_episodes: i
         "scale": scale if scale > 0 else 1.0,
         "tokenized": table is not None,
         "total": total,
+        "P": list(SOURCE_NAMES),
     }
 
 
@@ -324,6 +349,29 @@ def _table_html(rows: list[dict[str, Any]], max_rows: int = 400) -> str:
     return f'<div class="scroll"><table class="data"><tr>{head}</tr>{body}</table></div>{note}'
 
 
+def _mask_html(run_dir: Path, per_turn: bool) -> str:
+    """The mask report over every training rollout: tokens per source, sampled, trained, dilution."""
+    train_files, _ = rollout_files(run_dir)
+    summary = summarize(row for _, path in train_files for row in mask_report(iter_episodes(path), per_turn))
+    if not summary["rows"]:
+        return '<p class="muted">No training rows (no training rollouts with advantages).</p>'
+    total = summary["total"]
+    names = [n for n in SOURCE_NAMES if summary["tokens"][n] or n != "unknown"]
+    head = "".join(f'<th><span class="src-swatch" data-src="{_esc(n)}"></span>{_esc(n)}</th>' for n in names)
+    counts = "".join(f"<td>{summary['tokens'][n]}</td>" for n in names)
+    shares = "".join(f"<td>{100 * summary['tokens'][n] / total:.1f}%</td>" for n in names)
+    kind = "per-turn rows" if per_turn else "whole-episode rows"
+    return (
+        f'<table class="cmp mask"><tr><th></th>{head}<th>all</th><th>sampled</th><th>trained</th></tr>'
+        f"<tr><th>tokens</th>{counts}<td>{total}</td><td>{summary['sampled']}</td><td>{summary['trained']}</td></tr>"
+        f"<tr><th>share</th>{shares}<td>100%</td><td>{100 * summary['sampled'] / total:.1f}%</td>"
+        f"<td>{100 * summary['trained'] / total:.1f}%</td></tr></table>"
+        f"<p class='muted'>{summary['rows']} {kind} of every training rollout. Dilution of the policy's own tokens"
+        f" (1 − sampled / all): <b>{summary['dilution']:.3f}</b> over all tokens,"
+        f" {summary['mean_row_dilution']:.3f} averaged over rows. <code>turnrl rows RUN_DIR</code> lists each row.</p>"
+    )
+
+
 def _plots_html(run: RunDir) -> str:
     folder = run.plots
     if not folder.is_dir() or not any(folder.glob("*.png")):
@@ -386,7 +434,8 @@ def write_report(run_dir: str | Path, tokenizer: Any = None, *, max_episodes: in
         config = {}
     train = read_csv(run.train_csv)
     evals = read_csv(run.eval_csv)
-    data = collect_episodes(run.root, tokenizer, max_episodes)
+    per_turn = rows_per_turn(config)
+    data = collect_episodes(run.root, tokenizer, max_episodes, per_turn)
     name = str(config.get("run_name") or run.name)
     generated = datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC")
 
@@ -397,6 +446,7 @@ def write_report(run_dir: str | Path, tokenizer: Any = None, *, max_episodes: in
         "COMPARE": _comparison_html(evals),
         "EVALS": _table_html(evals),
         "LAST": _table_html([train[-1]]) if train else '<p class="muted">No steps logged.</p>',
+        "MASK": _mask_html(run.root, per_turn),
         "CONFIG": _esc(config_text) if config_text else "(config.yaml missing)",
         "CSS": _asset("report.css"),
         "JS": _asset("report.js"),

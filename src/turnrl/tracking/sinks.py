@@ -1,8 +1,8 @@
 """Metrics sinks: where the trainer's numbers go.
 
-Every sink takes the same four calls (:class:`MetricsSink`); the trainer holds
-one :class:`MultiSink` built by :func:`~turnrl.tracking.remote.make_sinks` and
-never knows which backends are behind it.
+Every sink takes the same four calls (:class:`MetricsSink`) and is one entry of
+:data:`turnrl.tracking.registry.SINKS`; the trainer holds one :class:`MultiSink`
+built by :func:`make_sinks` and never knows which backends are behind it.
 
 - :class:`CsvSink` (always on) owns the run directory's ``progress/train.csv``,
   ``progress/steps.jsonl`` and ``progress/eval.csv`` (paths from
@@ -13,7 +13,8 @@ never knows which backends are behind it.
   cutting the files back to the checkpoint is the training loop's job (one
   rule, by row count, before the sinks are made).
 - :class:`ConsoleSink` prints one line per step and a rich table per evaluation.
-- W&B and TensorBoard live in :mod:`turnrl.tracking.remote`.
+- W&B and TensorBoard live in :mod:`turnrl.tracking.remote`; a sink of your own
+  is a class and one :func:`~turnrl.tracking.registry.register_sink` call.
 
 Metric values are numbers; an evaluation row may also carry a string
 ``label`` (``base``, ``step``, ``final``). Rows carry ``iteration`` when the
@@ -28,26 +29,24 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any
 
 from turnrl.rundir import RunDir, atomic_write_text
+from turnrl.tracking.registry import (
+    Metrics,
+    MetricsSink,
+    SinkContext,
+    SinkSpec,
+    build_sink,
+    register_sink,
+    require,
+)
 
-Metrics = Mapping[str, Any]
-"""Metric name → value (float/int; ``label`` in evaluation rows is a string)."""
+if TYPE_CHECKING:
+    from turnrl.config import TrackingConfig
 
 _TRAIN_LEAD = ("step", "iteration")
 _EVAL_LEAD = ("step", "iteration", "label")
-
-
-@runtime_checkable
-class MetricsSink(Protocol):
-    def log_step(self, step: int, metrics: Metrics) -> None: ...
-
-    def log_eval(self, step: int, metrics: Metrics) -> None: ...
-
-    def log_iteration(self, iteration: int, metrics: Metrics) -> None: ...
-
-    def close(self) -> None: ...
 
 
 def _scalar(value: Any) -> Any:
@@ -196,6 +195,10 @@ class CsvSink:
         self.eval = _CsvTable(run.eval_csv, _EVAL_LEAD, resume)
         self.steps = _JsonlLog(run.steps_jsonl, resume)
 
+    @classmethod
+    def from_context(cls, context: SinkContext) -> CsvSink:
+        return cls(context.run_dir, resume=context.resume_step is not None)
+
     @staticmethod
     def _row(step: int, metrics: Metrics) -> dict[str, Any]:
         row = {"step": step, **{k: v for k, v in metrics.items() if k != "step"}}
@@ -261,6 +264,10 @@ class ConsoleSink:
         self.console = console if console is not None else Console()
         self.step_lines = step_lines
         self._base: dict[str, float] | None = None
+
+    @classmethod
+    def from_context(cls, context: SinkContext) -> ConsoleSink:
+        return cls(context.console)
 
     def log_step(self, step: int, metrics: Metrics) -> None:
         if not self.step_lines:
@@ -350,6 +357,49 @@ class MultiSink:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+ALWAYS_ON = "csv"
+"""The sink every run has (the loop, plots and report read its progress files)."""
+
+
+def make_sinks(
+    cfg: TrackingConfig,
+    run_dir: str | Path,
+    run_name: str,
+    config_dict: Mapping[str, Any],
+    resume_step: int | None = None,
+    *,
+    console: Any = None,
+) -> list[MetricsSink]:
+    """The sinks ``tracking.backends`` asks for, each made by its registry entry; the CSV/JSONL sink first.
+
+    ``resume_step``: the step a resumed run continues from (None: a fresh run).
+    The CSV/JSONL sink then appends to the progress files as they are (the
+    loop has cut them back to the checkpoint); W&B continues the same run and
+    TensorBoard purges its events after ``resume_step``.
+    ``console``: the rich Console the console sink prints to (default: a new one).
+
+    Every chosen sink's modules are checked before anything is created, so a missing
+    package fails fast with :class:`MissingBackendError` (its install hint) and leaves no files.
+    Wrap the result in :class:`MultiSink` to hand the trainer one object.
+    """
+    names = [ALWAYS_ON, *(name for name in cfg.chosen if name != ALWAYS_ON)]
+    for name in names:
+        require(name)
+    sinks: list[MetricsSink] = []
+    try:
+        for name in names:
+            context = SinkContext(Path(run_dir), run_name, config_dict, cfg.params_of(name), resume_step, console)
+            sinks.append(build_sink(name, context))
+    except BaseException:
+        MultiSink(sinks).close()
+        raise
+    return sinks
+
+
+register_sink(ALWAYS_ON, SinkSpec(CsvSink.from_context))
+register_sink("console", SinkSpec(ConsoleSink.from_context))
 
 
 def read_csv(path: str | Path) -> list[dict[str, Any]]:

@@ -106,12 +106,22 @@
     return s.replace(/\r?\n/g, `<span class="nl">↵</span>\n`);
   }
 
+  // provenance of a turn's shown context tokens: one source name per token ("unknown" when not recorded)
+  function contextSources(turn, n) {
+    if (!turn.cs) return new Array(n).fill("unknown");
+    const out = [];
+    for (const [code, count] of turn.cs) for (let c = 0; c < count; c++) out.push(D.P[code]);
+    return out;
+  }
+
   function tokens(run, cls, ws, turn) {
     const ids = D.G[run], out = [];
+    const srcs = cls === "ctx" ? contextSources(turn, ids.length) : null;
     for (let j = 0; j < ids.length; j++) {
       const p = ids[j], id = D.I[p];
       if (cls === "ctx") {
-        out.push(`<span class="tok ctx" title="untrained (context/environment) · id ${id}">${shown(D.S[p], ws)}</span>`);
+        const s = srcs[j] || "unknown";
+        out.push(`<span class="tok ctx" data-src="${s}" title="untrained (${s}) · id ${id}">${shown(D.S[p], ws)}</span>`);
       } else {
         const lp = turn.lp && turn.lp[j] !== undefined && turn.lp[j] !== null ? ` · logp ${turn.lp[j].toFixed(3)}` : "";
         out.push(actionSpan(turn, shown(D.S[p], ws), `id ${id}${lp}`));
@@ -122,11 +132,26 @@
 
   function actionSpan(turn, inner, extra) {
     if (turn.A === null) {
-      return `<span class="tok act-untrained" title="action not trained (advantage none) · ${extra}">${inner}</span>`;
+      return `<span class="tok act-untrained" data-src="assistant" title="action not trained (advantage none) · ${extra}">${inner}</span>`;
     }
     const a = Math.min(1, Math.abs(turn.A) / D.scale).toFixed(3);
     const sign = turn.A > 0 ? "pos" : (turn.A < 0 ? "neg" : "zero");
-    return `<span class="tok adv ${sign}" style="--a:${a}" data-adv="${turn.A}" title="A = ${signed(turn.A)} · ${extra}">${inner}</span>`;
+    return `<span class="tok adv ${sign}" style="--a:${a}" data-adv="${turn.A}" data-src="assistant" title="A = ${signed(turn.A)} · ${extra}">${inner}</span>`;
+  }
+
+  // the episode's training rows by source (the mask report): tokens per source, sampled, trained, dilution
+  function rowsTable(ep) {
+    if (!ep.rows || !ep.rows.length) return "";
+    const used = D.P.map((_, c) => c).filter((c) => D.P[c] !== "unknown" || ep.rows.some((r) => r[1][c] > 0));
+    const head = `<tr><th>row</th>` + used.map((c) => `<th><span class="src-swatch" data-src="${D.P[c]}"></span>${esc(D.P[c])}</th>`).join("") +
+      `<th>sampled</th><th>trained</th><th>dilution</th></tr>`;
+    const body = ep.rows.map(([turn, counts, sampled, trained]) => {
+      const total = counts.reduce((a, b) => a + b, 0);
+      const dil = total ? 1 - sampled / total : 0;
+      return `<tr class="mask-row"><th>${turn < 0 ? "whole episode" : "turn " + turn}</th>` + used.map((c) => `<td>${counts[c]}</td>`).join("") +
+        `<td>${sampled}</td><td>${trained}</td><td>${dil.toFixed(3)}</td></tr>`;
+    }).join("");
+    return `<table class="rows" title="training rows of this episode by token source; dilution = 1 − sampled / all tokens">${head}${body}</table>`;
   }
 
   function show(i) {
@@ -139,6 +164,7 @@
     if (ep.g) meta.push(["group", ep.g]);
     for (const [k, v] of Object.entries(ep.m)) if (k !== "step") meta.push([k, fmt(v, 4)]);
     const out = [`<div class="ep-meta">` + meta.map(([k, v]) => `<div><span>${esc(k)}</span> ${esc(v)}</div>`).join("") + `</div>`];
+    out.push(rowsTable(ep));
     if (!D.tokenized && ep.p) {
       out.push(`<div class="turn"><div class="turn-head"><b>prompt</b></div><div class="seq"><span class="tok ctx" title="untrained (prompt)">${shown(ep.p, ws)}</span></div></div>`);
     }
@@ -202,6 +228,9 @@
   $("ep-next").addEventListener("click", () => step(1));
   $("ws").addEventListener("change", () => { if (current >= 0) show(current); });
   $("unfold").addEventListener("change", () => { if (current >= 0) show(current); });
+  const bySource = () => $("detail").classList.toggle("by-source", $("by-source").checked);
+  $("by-source").addEventListener("change", bySource);
+  bySource();
 
   refresh(true);
   const m = location.hash.match(/^#ep=(.+)$/);
