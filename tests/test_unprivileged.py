@@ -101,6 +101,7 @@ def test_sandbox_suites_pass_as_an_ordinary_user():
         shutil.rmtree(staging, ignore_errors=True)  # empty mount points only, outside that namespace
     out = proc.stdout + proc.stderr
     tail = out[-4000:]
+    print(f"as {USER}:", out.strip().splitlines()[-1] if out.strip() else "(no output)")  # shown with -s
     assert proc.returncode == 0, tail
     assert "kernel sandbox unavailable" not in out, tail  # the hostile set ran, it was not skipped
     passed = re.search(r"(\d+) passed", out)

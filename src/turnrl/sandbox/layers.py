@@ -5,8 +5,9 @@ Chosen mechanisms (see docs/slosh_tank.md, "Threat model"):
 - **bubblewrap** (``bwrap``, from the distribution) creates the mount, PID,
   network, IPC, UTS (and, when not root, user) namespaces, a read-only view of
   ``/usr`` and the interpreter's prefix with every ``site-packages`` hidden,
-  a fresh ``/proc`` of the new PID namespace, a minimal ``/dev`` and the
-  private directory as the only writable place; ``--die-with-parent`` and
+  a fresh ``/proc`` of the new PID namespace, a minimal ``/dev`` and the mount
+  point ``/sandbox``, where the child mounts its bounded private tmpfs (the only
+  writable place); ``--die-with-parent`` and
   ``--new-session``; its PID 1 takes every process of the namespace down when
   the child exits. No hand-written namespace code in the default path.
 - **seccomp** through libseccomp's Python binding (``pyseccomp``): the parent
