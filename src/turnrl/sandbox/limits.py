@@ -111,7 +111,8 @@ class SandboxLimits(BaseModel):
         try:
             return cls(**value)
         except LimitsError as exc:
-            raise LimitsError(f"{owner} option sandbox{exc.detail}") from None
+            where = f"{owner} option " + ("sandbox" if exc.detail.startswith(".") else "'sandbox'")
+            raise LimitsError(where + exc.detail) from None
 
 
 class LimitsError(ValueError):
