@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 import threading
@@ -56,20 +57,32 @@ def test_normal_run_returns_output_and_value():
     assert "session" in r.isolation and "rlimits" in r.isolation and "audit" in r.isolation
 
 
-def test_private_working_directory_is_writable_and_removed():
-    seen = set()
-    before = {p.name for p in Path(tempfile.gettempdir()).glob("turnrl-sandbox-*")}
-    r = run_python("import os\nresult = 1")
-    # the host directory of each call is removed afterwards: nothing new is left behind
-    seen = {p.name for p in Path(tempfile.gettempdir()).glob("turnrl-sandbox-*")} - before
-    assert not seen
-    r = run_python("import os\nopen('scratch.txt', 'w').write('x')\nresult = [os.getcwd(), sorted(os.listdir('.'))]")
-    assert r.status == "ok", r.reason
-    workdir, listing = r.value
-    assert listing == ["scratch.txt"]
-    assert workdir == "/sandbox" if "mountns" in r.isolation else "turnrl-sandbox-" in workdir
-    leftovers = [p.name for p in Path(tempfile.gettempdir()).glob("turnrl-sandbox-*") if p.name in seen]
-    assert not leftovers
+@pytest.fixture()
+def host_tmp(monkeypatch):
+    """A fresh host temp dir for the calls (traversable by ``nobody``, unlike pytest's ``tmp_path``)."""
+    path = Path(tempfile.mkdtemp(prefix="turnrl-test-tmp-"))
+    path.chmod(0o755)
+    monkeypatch.setattr(tempfile, "tempdir", str(path))
+    yield path
+    monkeypatch.undo()
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_private_working_directory_is_writable_fresh_and_removed(host_tmp):
+    tmp_path = host_tmp  # any host temp dir of a call lands here
+    code = "import os\nopen({!r}, 'w').write('x')\nresult = [os.getcwd(), sorted(os.listdir('.'))]"
+    weaker = SandboxLimits(namespaces=False, allow_weaker=True)
+    for limits in (None, weaker):
+        first = run_python(code.format("one.txt"), limits=limits)
+        second = run_python(code.format("two.txt"), limits=limits)
+        assert first.status == second.status == "ok", (first.reason, second.reason)
+        assert first.value[1] == ["one.txt"] and second.value[1] == ["two.txt"]  # writable; fresh per call
+        workdir = second.value[0]
+        if "mountns" in second.isolation:
+            assert workdir == "/sandbox" and "dirquota" in second.isolation
+        else:
+            assert workdir.startswith(str(tmp_path / "turnrl-sandbox-")) and "dirquota" not in second.isolation
+        assert sorted(tmp_path.iterdir()) == []  # nothing left behind on the host
 
 
 def test_infinite_loop_times_out():
@@ -301,10 +314,11 @@ def test_setup_failure_is_reported(monkeypatch):
     if os.geteuid() != 0:
         pytest.skip("privileges are dropped only when running as root")
     sandbox.check_isolation()  # probe (cached) with the real uid first
-    monkeypatch.setattr(sandbox, "_nobody", lambda: (2**32 - 1, 2**32 - 1))  # setuid refuses it
+    monkeypatch.setattr(sandbox, "_nobody", lambda: (2**32 - 1, 2**32 - 1))  # no such uid: the setup fails
     r = run_python("print('ran')", limits=FAST)
     assert r.status == "error"
-    assert r.reason.startswith("sandbox setup failed") and "drop privileges" in r.reason
+    # the first step that uses the uid fails: the private tmpfs owned by it (then the drop to it)
+    assert r.reason.startswith("sandbox setup failed") and "uid=4294967295" in r.reason, r.reason
     assert "ran" not in r.stdout
 
 

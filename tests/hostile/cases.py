@@ -8,13 +8,12 @@ host-side canaries (files, processes, a TCP server, the home directory) are
 the containment check outside it. Cases whose attack breaks the rules itself
 (forged messages, hang or raise after the last step) must score 0.
 
-Plain standard library + turnrl: :mod:`tests.hostile.runner` runs the same
-cases as an unprivileged user with any interpreter.
+``tests/test_unprivileged.py`` runs the same cases (through ``tests/test_hostile.py``)
+again as an ordinary user. More cases against the sandbox itself: ``sandbox_cases.py``.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -902,6 +901,8 @@ def _allowed_layers() -> set[str]:
         "nnp",
         "seccomp",
         "audit",
+        "subuserns",
+        "dirquota",
     }
     return base | {"uid:65534"}
 
@@ -930,28 +931,3 @@ for p in glob.glob('/proc/*/root/secret') + glob.glob('/proc/*/cwd/secret') + gl
     if any(o.score != honest for o in outs):
         return f"scores {[o.score for o in outs]}, honest {honest}"
     return "; ".join(canaries.breaches()) or None
-
-
-def main() -> int:
-    """Run every case; print one JSON line per case (used by the unprivileged run)."""
-    canaries = Canaries()
-    failures = 0
-    try:
-        for case in CASES:
-            problem = run_case(case, canaries)
-            failures += problem is not None
-            print(json.dumps({"case": case.name, "problem": problem}), flush=True)
-        problem = run_concurrent_pair(canaries)
-        failures += problem is not None
-        print(json.dumps({"case": "concurrent_sandboxes", "problem": problem}), flush=True)
-        print(
-            json.dumps(
-                {
-                    "uid": os.getuid(),
-                    "isolation": list(evaluate_policy(HONEST, *SAFE_TASK, LIMITS).exec.isolation),
-                }
-            )
-        )
-    finally:
-        canaries.close()
-    return 1 if failures else 0

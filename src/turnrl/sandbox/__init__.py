@@ -7,12 +7,14 @@ hang, fork bomb, memory bomb or flood of output becomes a status).
 The default is the **kernel sandbox** (``layers.py``): bubblewrap creates mount,
 PID, network, IPC, UTS (and, when not root, user) namespaces around a
 read-only view of ``/usr`` and the interpreter (every ``site-packages``
-hidden), a fresh ``/proc``, and the private directory as the only writable
-place; the child program (``child.py``, shipped as source) then sets
-``setrlimit`` limits, drops to ``nobody`` when the parent is root, sets
+hidden) and a fresh ``/proc``; the child program (``child.py``, shipped as
+source) then sets ``setrlimit`` limits, enters its own nested user namespace
+when not root (no ptrace-class access to bubblewrap's PID 1), mounts the private
+directory (a tmpfs bounded in bytes and entries, the only writable place), drops
+to ``nobody`` when the parent is root, clears every capability, sets
 no-new-privileges and installs a seccomp filter (libseccomp via ``pyseccomp``)
-before any untrusted code runs. When a layer cannot be set up the call raises
-:class:`SandboxUnavailable`, naming the layer and ``allow_weaker``; with
+before any untrusted code runs. :class:`SandboxLimits` is a strict typed model.
+When a layer cannot be set up the call raises :class:`SandboxUnavailable`, naming the layer and ``allow_weaker``; with
 ``SandboxLimits(allow_weaker=True)`` it runs with what is available (process
 group, rlimits, best-effort ``unshare``, audit hook) and says so in
 ``ExecResult.isolation``.

@@ -9,10 +9,18 @@ must be set up before the untrusted code runs:
 1. read the job (one JSON line) from fd ``RFD``; preload modules;
 2. weaker sandbox only: best-effort ``unshare`` of network/PID namespaces;
 3. ``setrlimit`` (CPU, memory, file size, open files, processes, no core);
-4. as root: drop to ``nobody`` with no groups (caps are cleared with it);
-5. ``PR_SET_NO_NEW_PRIVS`` and the seccomp filter (BPF built by the parent);
-6. the audit hook (clear Python-level errors; not a security boundary);
-7. send ``{"op": "ready", "layers": [...]}`` -- the only layer report the
+4. kernel sandbox, not root: enter its own user (and mount) namespace, nested in
+   bubblewrap's, so that it holds no capability over bubblewrap's PID 1 (same
+   uid): no ptrace-class access (``/proc/1/fd``, ``/proc/1/mem``, ``pidfd_getfd``)
+   to the process that reports its exit status;
+5. kernel sandbox: mount the private directory, a tmpfs of ``max_dir_mb`` and
+   ``max_dir_files`` entries, over ``/sandbox``;
+6. as root: drop to ``nobody`` with no groups (caps are cleared with it); then
+   clear every capability left (all of the nested namespace's when not root)
+   and check that none is;
+7. ``PR_SET_NO_NEW_PRIVS`` and the seccomp filter (BPF built by the parent);
+8. the audit hook (clear Python-level errors; not a security boundary);
+9. send ``{"op": "ready", "layers": [...]}`` -- the only layer report the
    parent accepts, sent before any untrusted code exists -- then run the
    prelude, the code and the driver.
 
@@ -106,6 +114,61 @@ def _load_seccomp(ctypes, libc, bpf):
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_SECCOMP) failed: " + os.strerror(ctypes.get_errno()))
 
 
+def _own_user_namespace(ctypes, libc):
+    """Enter a new user + mount namespace, mapping the same uid/gid (class 6 of issue 22).
+
+    Bubblewrap's PID 1 runs as the same uid; in its user namespace the child could
+    ptrace-access it (``pidfd_getfd``, ``/proc/1/fd``, ``/proc/1/mem``) and forge the
+    exit status it reports. The kernel grants ptrace-class access to a process of
+    another user namespace only with CAP_SYS_PTRACE *in that namespace*, which a
+    process of a nested namespace never has: every such path is closed at once.
+    """
+    uid, gid = os.getuid(), os.getgid()
+    NEWUSER, NEWNS = 0x10000000, 0x00020000
+    if libc.unshare(NEWUSER | NEWNS) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "unshare(user + mount namespace) failed: " + os.strerror(err))
+    for name, text in (("uid_map", f"{uid} {uid} 1\n"), ("setgroups", "deny\n"), ("gid_map", f"{gid} {gid} 1\n")):
+        with open("/proc/self/" + name, "w") as f:
+            f.write(text)
+
+
+def _private_tmpfs(ctypes, libc, job):
+    """Mount the private directory: a tmpfs bounded in bytes and in entries (inodes, hard links too)."""
+    lim = job["limits"]
+    opts = "size={},nr_inodes={},mode=0700".format(lim["max_dir_mb"] << 20, lim["max_dir_files"] + 1)
+    if job["uid"] is not None:  # root: mounted before the drop, owned by the uid the child becomes
+        opts += ",uid={},gid={}".format(job["uid"], job["gid"])
+    MS_NOSUID, MS_NODEV, MS_NOEXEC = 2, 4, 8
+    libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p]
+    target = job["workdir"].encode()
+    if libc.mount(b"tmpfs", target, b"tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts.encode()) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"mount of the private tmpfs ({opts}) failed: {os.strerror(err)}")
+
+
+def _drop_capabilities(ctypes, libc):
+    """Clear every capability (bounding where allowed, ambient, effective, permitted, inheritable)."""
+    PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 24, 47, 4
+    libc.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    cap = 0
+    while libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) == 0:  # EINVAL past the last capability
+        cap += 1
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    data = (ctypes.c_uint32 * 6)()
+    if libc.capset(header, data) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, "capset failed: " + os.strerror(err))
+
+
+def _check_no_capabilities():
+    with open("/proc/self/status") as f:
+        caps = {k: v.strip() for k, _, v in (line.partition(":") for line in f) if k.startswith("Cap")}
+    held = {k: v for k, v in caps.items() if k in ("CapEff", "CapPrm", "CapInh", "CapAmb") and int(v, 16)}
+    if held:
+        raise RuntimeError(f"capabilities left after the drop: {held}")
+
+
 def _setup(job):
     import base64
     import linecache  # noqa: F401  (needed by _run; imported while the library is surely readable)
@@ -136,6 +199,12 @@ def _setup(job):
     _setlim(resource, resource.RLIMIT_NPROC, lim["max_processes"])
     _setlim(resource, resource.RLIMIT_CORE, 0)
     layers.append("rlimits")
+    if job["kernel"]:
+        if job["uid"] is None:
+            _own_user_namespace(ctypes, libc)
+            layers.append("subuserns")
+        _private_tmpfs(ctypes, libc, job)
+        layers.append("dirquota")
     if job["uid"] is not None:
         try:
             os.setgroups([])
@@ -147,6 +216,9 @@ def _setup(job):
             raise RuntimeError("uid did not change")
         layers.append(f"uid:{job['uid']}")
         libc.prctl(PR_SET_PDEATHSIG, 9, 0, 0, 0)  # setuid clears it
+    if job["kernel"]:
+        _drop_capabilities(ctypes, libc)  # as root the drop cleared all but the inheritable set
+        _check_no_capabilities()
     os.chdir(job["workdir"])  # after the drop: the directory belongs to the child's user
     if libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")

@@ -5,8 +5,9 @@ Chosen mechanisms (see docs/slosh_tank.md, "Threat model"):
 - **bubblewrap** (``bwrap``, from the distribution) creates the mount, PID,
   network, IPC, UTS (and, when not root, user) namespaces, a read-only view of
   ``/usr`` and the interpreter's prefix with every ``site-packages`` hidden,
-  a fresh ``/proc`` of the new PID namespace, a minimal ``/dev`` and the
-  private directory as the only writable place; ``--die-with-parent`` and
+  a fresh ``/proc`` of the new PID namespace, a minimal ``/dev`` and the mount
+  point ``/sandbox``, where the child mounts its bounded private tmpfs (the only
+  writable place); ``--die-with-parent`` and
   ``--new-session``; its PID 1 takes every process of the namespace down when
   the child exits. No hand-written namespace code in the default path.
 - **seccomp** through libseccomp's Python binding (``pyseccomp``): the parent
@@ -36,10 +37,15 @@ DENIED_SYSCALLS = (
     "delete_module", "reboot", "swapon", "swapoff", "acct", "userfaultfd", "io_uring_setup",
     "io_uring_enter", "io_uring_register", "name_to_handle_at", "open_by_handle_at", "mknod",
     "mknodat", "personality", "quotactl", "syslog", "lookup_dcookie", "kcmp",
+    "pidfd_open", "pidfd_getfd", "pidfd_send_signal", "process_madvise", "process_mrelease",
+    "memfd_create", "memfd_secret",
 )  # fmt: skip
 """Denied with EPERM. ``clone`` without ``CLONE_THREAD`` (a new process) is denied too, ``clone3``
 gets ENOSYS (glibc then falls back to ``clone``), sockets other than ``AF_UNIX`` get EPERM,
-and system calls of other architectures (i386/x32 entry points) kill the process."""
+``prlimit64`` on another process gets EPERM, and system calls of other architectures (i386/x32
+entry points) kill the process. Every call that acts on another process through a pid or a pidfd
+(ptrace, process_vm_*, kcmp, the pidfd calls, process_madvise/mrelease, prlimit64) is denied;
+``memfd_create`` too, so that the private tmpfs is the only writable storage."""
 
 
 def seccomp_program() -> bytes:
@@ -63,6 +69,7 @@ def _seccomp_program() -> bytes:
     f.add_rule(sc.ERRNO(errno_enosys), "clone3")
     f.add_rule(sc.ERRNO(errno_eperm), "socket", sc.Arg(0, sc.NE, af_unix))
     f.add_rule(sc.ERRNO(errno_eperm), "socketpair", sc.Arg(0, sc.NE, af_unix))
+    f.add_rule(sc.ERRNO(errno_eperm), "prlimit64", sc.Arg(0, sc.NE, 0))  # another process's limits
     r, w = os.pipe()
     try:
         with os.fdopen(w, "wb", closefd=True) as out:
@@ -112,7 +119,7 @@ def _site_dirs(prefix: str) -> set[str]:
     return {os.path.realpath(p) for p in found if os.path.isdir(p)}
 
 
-def mount_plan(workdir: str, python: str | None) -> tuple[list[str], list[str], list[str]]:
+def mount_plan(python: str | None) -> tuple[list[str], list[str], list[str]]:
     """(bwrap filesystem arguments, read-only roots, hidden dirs) for one run."""
     exe, prefix = interpreter(python)
     prefix = os.path.realpath(prefix)
@@ -139,7 +146,8 @@ def mount_plan(workdir: str, python: str | None) -> tuple[list[str], list[str], 
         hidden.append(package_root)
     for d in hidden:
         args += ["--tmpfs", d]
-    args += ["--proc", "/proc", "--dev", "/dev", "--bind", workdir, SANDBOX_DIR]
+    # /sandbox: a mount point only; the child mounts its bounded private tmpfs there (child.py)
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "0755", "--dir", SANDBOX_DIR]
     args += [
         "--remount-ro",
         "/dev",
@@ -169,9 +177,9 @@ def visible_secrets(roots: list[str], hidden: list[str]) -> list[str]:
     return bad
 
 
-def bwrap_command(bwrap: str, workdir: str, python: str | None, as_root: bool) -> tuple[list[str], list[str]]:
+def bwrap_command(bwrap: str, python: str | None, as_root: bool) -> tuple[list[str], list[str]]:
     """(the argument vector up to the interpreter, the namespace layers it creates)."""
-    fs, roots, hidden = mount_plan(workdir, python)
+    fs, roots, hidden = mount_plan(python)
     bad = visible_secrets(roots, hidden)
     if bad:
         raise RuntimeError(f"the read-only view would show {', '.join(bad)}")
@@ -183,8 +191,8 @@ def bwrap_command(bwrap: str, workdir: str, python: str | None, as_root: bool) -
         "--unshare-cgroup-try",
     ]
     layers = ["mountns", "pidns", "netns", "ipcns", "utsns"]
-    if as_root:  # no user namespace: the child drops to nobody itself (RLIMIT_NPROC exempts uid 0)
-        caps = ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    if as_root:  # no user namespace: the child mounts /sandbox, then drops to nobody (RLIMIT_NPROC exempts uid 0)
+        caps = ["--cap-drop", "ALL"] + [x for c in ("SETUID", "SETGID", "SYS_ADMIN") for x in ("--cap-add", "CAP_" + c)]
     else:
         ns.insert(0, "--unshare-user")
         layers.append("userns")

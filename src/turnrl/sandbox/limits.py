@@ -1,9 +1,11 @@
-"""The sandbox's vocabulary: limits in, results out, and the two exceptions."""
+"""The sandbox's vocabulary: limits in (a strict model), results out, and the exceptions."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 STATUSES = ("ok", "error", "timeout", "killed", "output_limit")
 
@@ -33,23 +35,37 @@ WEAKER_SETTING = "SandboxLimits(allow_weaker=True) (config: env.options.sandbox.
 """How a user accepts a sandbox without the kernel layers; named in every refusal."""
 
 
-@dataclass(frozen=True)
-class SandboxLimits:
-    """Resource limits and required isolation for one execution."""
+_MODULE_NAME = r"^[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*$"
 
-    timeout_s: float = 10.0
+
+class SandboxLimits(BaseModel):
+    """Resource limits and required isolation for one execution: a strict, typed, frozen model.
+
+    Every value is checked by type (no string-to-bool or float-to-int coercion), sign and range
+    (finite floats only); a wrong value raises ``ValueError`` with one line naming the field, the
+    value and what is allowed (:meth:`from_options` adds the config key).
+    """
+
+    model_config = ConfigDict(strict=True, frozen=True, extra="forbid")
+
+    timeout_s: float = Field(10.0, gt=0, le=3600, allow_inf_nan=False)
     """Wall-clock limit for the whole run, start-up included (seconds)."""
-    cpu_s: int | None = None
+    cpu_s: int | None = Field(None, ge=1, le=3601)
     """RLIMIT_CPU soft limit (seconds); None = ceil(timeout_s) + 1, so the wall clock usually fires first."""
-    memory_mb: int = 1024
+    memory_mb: int = Field(1024, ge=64, le=1 << 20)
     """RLIMIT_AS: address-space limit (MiB). Allocations beyond it raise MemoryError."""
-    max_output_bytes: int = 256_000
+    max_output_bytes: int = Field(256_000, ge=1, le=1 << 30)
     """Combined stdout+stderr kept; producing more kills the run (status ``output_limit``)."""
-    max_processes: int = 32
+    max_processes: int = Field(32, ge=1, le=65_536)
     """RLIMIT_NPROC (threads of the child's user); root is exempt, so as root the child runs as ``nobody``."""
-    max_file_mb: int = 16
+    max_file_mb: int = Field(16, ge=0, le=1 << 20)
     """RLIMIT_FSIZE: largest file the child may write (MiB)."""
-    max_open_files: int = 64
+    max_dir_mb: int = Field(64, ge=1, le=1 << 16)
+    """Total bytes of the private directory (MiB): in the kernel sandbox it is a tmpfs of this size
+    (RAM-backed: a call may hold up to ``memory_mb + max_dir_mb``); writes beyond it fail with ENOSPC."""
+    max_dir_files: int = Field(4096, ge=1, le=1 << 20)
+    """Entries the private directory may hold (files, directories, links, hard links; the tmpfs's inodes)."""
+    max_open_files: int = Field(64, ge=16, le=65_536)
     """RLIMIT_NOFILE."""
     drop_privileges: bool = True
     """When the parent is root, run the child as ``nobody``."""
@@ -64,30 +80,77 @@ class SandboxLimits:
     """Run untrusted code even when a kernel layer (namespaces, seccomp, privilege drop) cannot be
     set up or is switched off; the result's ``isolation`` then lists what was active. False (the
     default): such a run is refused with :class:`SandboxUnavailable` naming the missing layer."""
-    bwrap: str = "bwrap"
+    bwrap: str = Field("bwrap", min_length=1, max_length=4096, pattern=r"^[^\x00]+$")
     """The bubblewrap executable (name on ``PATH`` or a path)."""
-    preload: tuple[str, ...] = DEFAULT_PRELOAD
-    """Modules always imported before the code runs (see :data:`DEFAULT_PRELOAD`)."""
+    preload: tuple[Annotated[str, Field(pattern=_MODULE_NAME, max_length=200)], ...] = Field(
+        DEFAULT_PRELOAD, strict=False, max_length=256
+    )
+    """Modules always imported before the code runs (see :data:`DEFAULT_PRELOAD`); a list in a config."""
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise LimitsError(_one_line(exc)) from None
 
     def effective_cpu_s(self) -> int:
         return self.cpu_s if self.cpu_s is not None else int(self.timeout_s + 0.999) + 1
 
     @classmethod
     def from_options(cls, value: SandboxLimits | dict[str, Any] | None, owner: str) -> SandboxLimits:
-        """Limits from a config value (a dict of these fields); unknown fields name ``owner``."""
+        """Limits from a config value (a mapping of these fields); a bad field names ``owner``'s key."""
         if value is None:
             return cls()
         if isinstance(value, SandboxLimits):
             return value
         if not isinstance(value, dict):
-            raise ValueError(f"{owner} option 'sandbox' must be a mapping of SandboxLimits fields, got {value!r}")
-        known = set(cls.__dataclass_fields__)
-        unknown = sorted(set(value) - known)
-        if unknown:
             raise ValueError(
-                f"{owner} option 'sandbox' has unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+                f"{owner} option 'sandbox' must be a mapping of SandboxLimits fields, got {_show(value)}; "
+                f"known fields: {', '.join(cls.model_fields)}"
             )
-        return cls(**value)
+        try:
+            return cls(**value)
+        except LimitsError as exc:
+            where = f"{owner} option " + ("sandbox" if exc.detail.startswith(".") else "'sandbox'")
+            raise LimitsError(where + exc.detail) from None
+
+
+class LimitsError(ValueError):
+    """A bad :class:`SandboxLimits` value: one line naming the field, the value and what is allowed."""
+
+    def __init__(self, detail: str) -> None:
+        self.detail = detail
+        super().__init__(detail if not detail.startswith((".", " ")) else "SandboxLimits" + detail)
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _allowed(name: str) -> str:
+    """What a field accepts, from its type and its range (one home: the field's own declaration)."""
+    info = SandboxLimits.model_fields[name]
+    bound = {k: getattr(m, k) for m in info.metadata for k in ("gt", "ge", "lt", "le") if hasattr(m, k)}
+    if name == "preload":
+        return "a list of module names (e.g. [math, json])"
+    kind = {bool: "true or false (a boolean, not a string)", str: "a non-empty path or name", float: "a finite number",
+            int: "an integer"}.get(info.annotation, "null or an integer")  # fmt: skip
+    low = f"> {bound['gt']}" if "gt" in bound else f">= {bound['ge']}" if "ge" in bound else ""
+    high = f"<= {bound['le']}" if "le" in bound else f"< {bound['lt']}" if "lt" in bound else ""
+    return kind + (" " + " and ".join(b for b in (low, high) if b) if low or high else "")
+
+
+def _one_line(exc: ValidationError) -> str:
+    """The first error of ``exc`` as the tail of one line: ``.key: value ...; allowed: ...``."""
+    err = exc.errors()[0]
+    loc = [str(x) for x in err["loc"]]
+    name = loc[0] if loc else ""
+    if err["type"] == "extra_forbidden":
+        return f" has unknown field {name!r}; known: {', '.join(SandboxLimits.model_fields)}"
+    allowed = _allowed(name) if name in SandboxLimits.model_fields else ""
+    why = err["msg"][:1].lower() + err["msg"][1:]
+    return f".{'.'.join(loc)}: {_show(err.get('input'))} is not allowed ({why}); allowed: {allowed}"
 
 
 @dataclass

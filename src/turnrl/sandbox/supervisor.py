@@ -199,15 +199,19 @@ def _execute(
     python: str | None = None,
 ) -> ExecResult:
     start = time.monotonic()
-    workdir = tempfile.mkdtemp(prefix="turnrl-sandbox-")
-    inner = kernel.SANDBOX_DIR if plan.kernel else workdir
+    # the kernel sandbox's private directory is a bounded tmpfs the child mounts in its own view;
+    # the weaker sandbox gets a fresh host temp dir (bounded per file only)
+    workdir = None if plan.kernel else tempfile.mkdtemp(prefix="turnrl-sandbox-")
+    inner = kernel.SANDBOX_DIR if workdir is None else workdir
     fds: list[int] = []
     proc: subprocess.Popen | None = None
     try:
-        os.chmod(workdir, 0o700)
-        if plan.run_as is not None:
-            os.chown(workdir, plan.run_as[0], plan.run_as[1])
+        if workdir is not None:
+            os.chmod(workdir, 0o700)
+            if plan.run_as is not None:
+                os.chown(workdir, plan.run_as[0], plan.run_as[1])
         expected = {"rlimits", "nnp"}
+        expected |= {"dirquota"} | (set() if plan.run_as else {"subuserns"}) if plan.kernel else set()
         expected |= {"seccomp"} if plan.bpf else set()
         expected |= {"audit"} if limits.audit else set()
         expected |= {f"uid:{plan.run_as[0]}"} if plan.run_as else set()
@@ -223,7 +227,8 @@ def _execute(
             "uid": plan.run_as[0] if plan.run_as else None, "gid": plan.run_as[1] if plan.run_as else None,
             "limits": {
                 "cpu_s": limits.effective_cpu_s(), "memory_mb": limits.memory_mb,
-                "max_file_mb": limits.max_file_mb, "max_open_files": limits.max_open_files,
+                "max_file_mb": limits.max_file_mb, "max_dir_mb": limits.max_dir_mb,
+                "max_dir_files": limits.max_dir_files, "max_open_files": limits.max_open_files,
                 "max_processes": limits.max_processes,
             },
         }  # fmt: skip
@@ -239,17 +244,14 @@ def _execute(
         outer: tuple[str, ...] = ("session",)
         if plan.kernel:
             prefix, ns_layers = kernel.bwrap_command(
-                kernel.find_bwrap(limits.bwrap) or limits.bwrap,
-                workdir,
-                python,
-                plan.run_as is not None,
+                kernel.find_bwrap(limits.bwrap) or limits.bwrap, python, plan.run_as is not None
             )
             child_argv = prefix + child_argv
             outer += tuple(ns_layers)
         try:
             proc = subprocess.Popen(
                 child_argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                env=_minimal_env(inner), cwd=workdir, pass_fds=(to_child_r, from_child_w),
+                env=_minimal_env(inner), cwd=workdir or "/", pass_fds=(to_child_r, from_child_w),
                 close_fds=True, start_new_session=True,
             )  # fmt: skip
         except OSError as exc:
@@ -272,7 +274,8 @@ def _execute(
                 os.close(fd)
             except OSError:
                 pass
-        shutil.rmtree(workdir, ignore_errors=True)
+        if workdir is not None:
+            shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
