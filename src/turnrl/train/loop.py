@@ -43,7 +43,7 @@ __all__ = ["ResumeError", "collect_batch", "train", "train_step"]
 
 def run_dir_for(cfg: RunConfig) -> RunDir:
     """The run directory a config trains into (``paths.output_dir/run_name``)."""
-    return Run(cfg).dir
+    return Run.dir_for(cfg)
 
 
 def collect_batch(

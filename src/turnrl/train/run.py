@@ -142,7 +142,7 @@ class Run:
     def __init__(self, cfg: RunConfig, console: Console | None = None) -> None:
         self.cfg = cfg
         self.settings = RunSettings.from_config(cfg)
-        self.dir = RunDir(Path(cfg.paths.output_dir) / cfg.run_name)
+        self.dir = self.dir_for(cfg)
         self.writer = distributed.is_main()
         """This process writes the run directory (rank 0, or the only process)."""
         self.console = (console or Console()) if self.writer else Console(quiet=True)
@@ -150,6 +150,11 @@ class Run:
         self._tasks = TaskSource.from_config(cfg)
         self.train_tasks: list[Task] = []
         self.eval_tasks: list[Task] = []
+
+    @staticmethod
+    def dir_for(cfg: RunConfig) -> RunDir:
+        """The run directory a config trains into (``paths.output_dir/run_name``)."""
+        return RunDir(Path(cfg.paths.output_dir) / cfg.run_name)
 
     # ---- before anything is written ----------------------------------------------------
 
