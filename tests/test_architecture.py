@@ -55,17 +55,18 @@ def _layer(module: str) -> str:
 # What each low layer may import (besides itself). Everything else composes these.
 ALLOWED = {
     "types": set(),
-    "tasks": {"types"},
+    "bounded": set(),
+    "tasks": {"types", "bounded"},
     "rundir": {"types"},
     "chat": {"types"},
     "losses": set(),
     "credit": {"types"},
     "sandbox": set(),
-    "envs": {"types", "tasks", "sandbox", "rundir"},
+    "envs": {"types", "tasks", "sandbox", "rundir", "sections", "bounded"},
     "sampling": {"types", "chat", "models"},
     "models": {"config", "losses"},
-    "config": {"losses", "sections"},
-    "sections": set(),
+    "config": {"losses", "sections", "bounded"},
+    "sections": {"bounded"},
 }
 
 
