@@ -12,6 +12,7 @@ pickled code from the run directory.
 
 from __future__ import annotations
 
+import errno as _errno
 import fcntl
 import json
 import os
@@ -30,6 +31,10 @@ from turnrl.rundir import RunDir, atomic_write_text
 
 class ResumeError(RuntimeError):
     """Resuming (or starting) is not possible or would invalidate the run; the message says why."""
+
+
+_FULL_BYTES = 1 << 20
+"""A failed checkpoint write with less free space than this (1 MiB) is reported as a full disk."""
 
 
 @dataclass
@@ -127,21 +132,34 @@ def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: dic
         "rng": _rng_state(),
         "rows": row_counts(run),
     }
-    run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     tmp = run.checkpoint.with_name(run.checkpoint.name + ".tmp")
     try:
+        run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         torch.save(payload, tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, run.checkpoint)
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - torch reports a short write as RuntimeError("unexpected pos ...")
+        # Measure the disk while the partial file still fills it: torch's zip writer does not say "No space".
+        try:
+            st = os.statvfs(run.checkpoint_dir)
+            free = st.f_bavail * st.f_frsize
+        except OSError:
+            free = None
         tmp.unlink(missing_ok=True)
-        reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else str(exc)
-        if "No space" not in reason and "write" in reason.lower():  # torch's own write failure
-            reason += " (no space left on the device?)"
+        errno_ = getattr(exc, "errno", None)
+        reason = os.strerror(errno_) if isinstance(exc, OSError) and errno_ else f"{type(exc).__name__}: {exc}"
+        full = errno_ in (_errno.ENOSPC, _errno.EDQUOT) or (free is not None and free < _FULL_BYTES)
+        if full:
+            fix = (
+                f"the disk holding {run.checkpoint_dir} is full ({'unknown' if free is None else f'{free:,}'}"
+                " bytes free while writing) — free space there"
+            )
+        else:
+            fix = f"check that {run.checkpoint_dir} is writable and has space"
         raise ResumeError(
-            f"could not write the checkpoint {run.checkpoint}: {reason}; the previous checkpoint is intact"
-            " — free space and resume with --resume"
+            f"could not write the checkpoint {run.checkpoint} ({reason[:300]}); {fix}, then resume with --resume."
+            " The previous checkpoint is intact"
         ) from None
 
 
@@ -200,6 +218,17 @@ class RunLock:
             raise ResumeError(
                 f"the run directory {self.path.parent} is in use by {holder}; wait for it to finish,"
                 " or choose another --run-name"
+            ) from None
+        except OSError as exc:  # ENOLCK (network file systems), EBADF, ...: name the lock and the fix
+            fh.close()
+            hint = (
+                "its file system does not support locks (a network file system?): put paths.output_dir on a"
+                " local disk, or mount with lock support"
+                if exc.errno in (_errno.ENOLCK, _errno.EOPNOTSUPP, _errno.ENOSYS)
+                else "check the run directory's file system"
+            )
+            raise ResumeError(
+                f"cannot lock the run directory {self.path.parent} (flock on {self.path}: {exc.strerror}); {hint}"
             ) from None
         fh.seek(0)
         fh.truncate()
