@@ -64,7 +64,7 @@ ALLOWED = {
     "sandbox": set(),
     "envs": {"types", "tasks", "sandbox", "rundir", "sections", "bounded"},
     "sampling": {"types", "chat", "models"},
-    "models": {"config", "losses"},
+    "models": {"config", "losses", "rundir"},
     "config": {"losses", "sections", "bounded"},
     "sections": {"bounded"},
 }

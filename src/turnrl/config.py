@@ -25,10 +25,19 @@ from pydantic import (
     model_validator,
 )
 
-from turnrl.bounded import MAX_NODES, InputTooLarge, check_bounded, load_yaml, short_repr, yaml_problem
+from turnrl.bounded import (
+    MAX_NODES,
+    BoundedYAMLError,
+    InputTooLarge,
+    check_bounded,
+    load_yaml,
+    short_repr,
+    yaml_problem,
+)
 from turnrl.losses import MismatchConfig
 from turnrl.sections import PluginSection as _PluginSection
 from turnrl.sections import Section as _Section
+from turnrl.sections import located
 
 MAX_TOKENS_PER_TURN = 1 << 20
 """Upper limit of ``sampler.max_tokens`` / ``eval.max_tokens`` (1,048,576: beyond any model's context)."""
@@ -347,7 +356,8 @@ def format_errors(
     allowed_at = allowed_at or _config_keys_at
     lines = [header]
     for err in exc.errors():
-        key = key_of(err["loc"])
+        loc, value = located(err)
+        key = key_of(loc)
         if err["type"] == "unknown_plugin_key":
             for name in err["ctx"]["keys"]:
                 lines.append(f"  unknown key {key + '.' + name!r}; allowed keys here: {err['ctx']['allowed']}")
@@ -361,7 +371,7 @@ def format_errors(
         elif err["type"] == "value_error" and isinstance(err.get("input"), dict):  # a section-level check
             lines.append(f"  {key}: {err['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {key}: {err['msg'].removeprefix('Value error, ')} (got {short_repr(err.get('input'))})")
+            lines.append(f"  {key}: {err['msg'].removeprefix('Value error, ')} (got {short_repr(value)})")
     return "\n".join(lines)
 
 
@@ -412,6 +422,8 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
             raise ConfigError(f"override {short_repr(item)} must look like key.sub=value")
         try:
             value = load_yaml(raw, max_bytes=MAX_OVERRIDE_BYTES)
+        except BoundedYAMLError as exc:
+            raise ConfigError(f"override {short_repr(item)}: the value is refused: {yaml_problem(exc)}") from None
         except yaml.YAMLError as exc:
             raise ConfigError(
                 f"override {short_repr(item)}: the value is not valid YAML ({yaml_problem(exc)});"
@@ -451,6 +463,8 @@ def read_config_data(path: str | Path) -> dict[str, Any]:
         ) from None
     try:
         data = load_yaml(text) or {}
+    except BoundedYAMLError as exc:
+        raise ConfigError(f"{path}: {yaml_problem(exc)}") from None
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
     except InputTooLarge as exc:

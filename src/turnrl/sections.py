@@ -2,7 +2,8 @@
 
 The strict rules, one home for every option any component reads (config sections, plug-in
 parameters, environment options): no unknown key; a ``bool`` field takes only ``true``/``false``
-(never a string or a number: ``"false"`` is refused, not read as true); every float, nested ones
+(never a string or a number: ``"false"`` is refused, not read as true), a number field
+takes no string and no boolean; every float, nested ones
 included, is finite; a free-form value (``dict[str, Any]``) holds at most
 :data:`turnrl.bounded.FREE_FORM_NODES` values. :class:`Section` applies them to its own fields;
 :func:`strict_validate` applies them to any pydantic model, so a plug-in's or an environment's
@@ -38,17 +39,30 @@ from turnrl.bounded import InputTooLarge, check_bounded, short_repr
 M = TypeVar("M", bound=BaseModel)
 
 NOT_A_BOOL = "must be true or false (an unquoted YAML boolean)"
+NOT_A_NUMBER = "must be a number (unquoted; not a string or true/false)"
 NOT_FINITE = "must be a finite number"
 
 
-def _wants_bool(annotation: Any) -> bool:
-    """The field is a ``bool`` (or ``bool | None``): its input must be a real boolean."""
-    if annotation is bool:
-        return True
-    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(annotation) if a is not type(None)]
-        return args == [bool]
-    return False
+def _strict_problem(annotation: Any, value: Any) -> str | None:
+    """Why ``value`` may not be coerced into a field of this annotation, or None.
+
+    A ``bool`` field (or ``bool | None``) takes only a real boolean; an ``int``/``float`` field
+    (or ``| None``) no string and no boolean — pydantic's lax mode would turn ``"false"`` into
+    False, ``"inf"`` into a float and ``true`` into 1.
+    """
+    if value is None:
+        return None
+    args = (
+        set(typing.get_args(annotation))
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        else {annotation}
+    )
+    args.discard(type(None))
+    if args == {bool}:
+        return None if isinstance(value, bool) else NOT_A_BOOL
+    if args and args <= {int, float} and isinstance(value, str | bool):
+        return NOT_A_NUMBER
+    return None
 
 
 def _model_type(annotation: Any) -> type[BaseModel] | None:
@@ -85,9 +99,8 @@ def _strict_input(model: type[BaseModel], data: Any, loc: tuple[Any, ...] = ()) 
         if key not in data:
             continue
         value, where = data[key], (*loc, key)
-        if _wants_bool(field.annotation):
-            if not isinstance(value, bool) and value is not None:
-                yield {"type": PydanticCustomError("strict_bool", NOT_A_BOOL), "loc": where, "input": value}
+        if problem := _strict_problem(field.annotation, value):
+            yield {"type": PydanticCustomError("strict_type", problem), "loc": where, "input": value}
         elif (sub := _model_type(field.annotation)) is not None:
             yield from _strict_input(sub, value, where)
 
@@ -116,13 +129,22 @@ def strict_validate(model: type[M], data: dict[str, Any]) -> M:
     return obj
 
 
+def located(err: Any) -> tuple[tuple[Any, ...], Any]:
+    """(full location, offending value) of a pydantic error, looking inside free-form values."""
+    ctx = err.get("ctx") or {}
+    if err["type"] == "finite_number" and "within" in ctx:
+        return (*err["loc"], *ctx["within"]), ctx["value"]
+    return tuple(err["loc"]), err.get("input")
+
+
 def error_lines(exc: ValidationError, prefix: str = "") -> list[str]:
     """Each error of ``exc`` as ``prefix.key: what is wrong (got a short repr of the value)``."""
     lines = []
     for err in exc.errors():
-        key = ".".join(str(p) for p in (prefix, *err["loc"]) if p != "")
+        loc, value = located(err)
+        key = ".".join(str(p) for p in (prefix, *loc) if p != "")
         msg = err["msg"].removeprefix("Value error, ")
-        got = "" if err["type"] in ("too_large", "missing") else f" (got {short_repr(err.get('input'))})"
+        got = "" if err["type"] in ("too_large", "missing") else f" (got {short_repr(value)})"
         lines.append(f"{key}: {msg}{got}" if key else f"{msg}{got}")
     return lines
 
@@ -132,10 +154,10 @@ class Section(BaseModel):
 
     @field_validator("*", mode="before")
     @classmethod
-    def _strict_bool(cls, value: Any, info: ValidationInfo) -> Any:
+    def _strict_types(cls, value: Any, info: ValidationInfo) -> Any:
         field = cls.model_fields.get(info.field_name or "")
-        if field is not None and _wants_bool(field.annotation) and not isinstance(value, bool) and value is not None:
-            raise ValueError(NOT_A_BOOL)
+        if field is not None and (problem := _strict_problem(field.annotation, value)):
+            raise ValueError(problem)
         return value
 
     @field_validator("*", mode="after")
@@ -143,9 +165,8 @@ class Section(BaseModel):
     def _finite(cls, value: Any) -> Any:
         if isinstance(value, dict | list | tuple):
             check_bounded(value)  # free-form values (dict[str, Any]) stay small
-        for loc, bad in _non_finite(value):
-            where = "".join(f"[{short_repr(p)}]" for p in loc)
-            raise ValueError(f"{NOT_FINITE}{' (found ' + repr(bad) + ' at ' + where + ')' if where else ''}")
+        for loc, bad in _non_finite(value):  # inside a free-form value: the error carries the key within it
+            raise PydanticCustomError("finite_number", NOT_FINITE, {"within": loc, "value": bad})
         return value
 
 

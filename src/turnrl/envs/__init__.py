@@ -51,7 +51,10 @@ def _import_class(target: str, name: str) -> type[Env]:
             f"env.name {name!r}: importing {module!r} failed ({type(exc).__name__}: {str(exc)[:200]}); fix that module"
         ) from None
     if not (isinstance(cls, type) and issubclass(cls, Env)):
-        raise ValueError(f"environment {name!r}: {target!r} is not a subclass of turnrl.envs.Env")
+        raise ValueError(
+            f"env.name {short_repr(name)}: {short_repr(target)} is not a subclass of turnrl.envs.Env;"
+            " name an environment class"
+        )
     return cls
 
 

@@ -26,15 +26,11 @@ import torch
 import yaml
 
 from turnrl.config import RunConfig, resume_conflicts
-from turnrl.rundir import RunDir, atomic_write_text
+from turnrl.rundir import RunDir, atomic_write_text, write_failure
 
 
 class ResumeError(RuntimeError):
     """Resuming (or starting) is not possible or would invalidate the run; the message says why."""
-
-
-_FULL_BYTES = 1 << 20
-"""A failed checkpoint write with less free space than this (1 MiB) is reported as a full disk."""
 
 
 @dataclass
@@ -140,26 +136,11 @@ def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: dic
             os.fsync(fh.fileno())
         os.replace(tmp, run.checkpoint)
     except Exception as exc:  # noqa: BLE001 - torch reports a short write as RuntimeError("unexpected pos ...")
-        # Measure the disk while the partial file still fills it: torch's zip writer does not say "No space".
-        try:
-            st = os.statvfs(run.checkpoint_dir)
-            free = st.f_bavail * st.f_frsize
-        except OSError:
-            free = None
+        why = write_failure(tmp, exc)  # measured while the partial file still fills the disk
         tmp.unlink(missing_ok=True)
-        errno_ = getattr(exc, "errno", None)
-        reason = os.strerror(errno_) if isinstance(exc, OSError) and errno_ else f"{type(exc).__name__}: {exc}"
-        full = errno_ in (_errno.ENOSPC, _errno.EDQUOT) or (free is not None and free < _FULL_BYTES)
-        if full:
-            fix = (
-                f"the disk holding {run.checkpoint_dir} is full ({'unknown' if free is None else f'{free:,}'}"
-                " bytes free while writing) — free space there"
-            )
-        else:
-            fix = f"check that {run.checkpoint_dir} is writable and has space"
+        kept = "the previous checkpoint is intact" if run.checkpoint.exists() else "no checkpoint was kept"
         raise ResumeError(
-            f"could not write the checkpoint {run.checkpoint} ({reason[:300]}); {fix}, then resume with --resume."
-            " The previous checkpoint is intact"
+            f"could not write the checkpoint {run.checkpoint}: {why}; then resume with --resume ({kept})"
         ) from None
 
 
