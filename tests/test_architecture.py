@@ -55,18 +55,19 @@ def _layer(module: str) -> str:
 # What each low layer may import (besides itself). Everything else composes these.
 ALLOWED = {
     "types": set(),
-    "tasks": {"types"},
+    "bounded": set(),
+    "tasks": {"types", "bounded"},
     "rundir": {"types"},
     "chat": {"types"},
     "losses": set(),
     "credit": {"types"},
     "sandbox": set(),
-    "envs": {"types", "tasks", "sandbox", "rundir"},
+    "envs": {"types", "tasks", "sandbox", "rundir", "sections", "bounded"},
     "sampling": {"types", "chat", "models"},
     "rollout": {"types", "chat", "credit", "envs", "sampling"},
-    "models": {"config", "losses"},
-    "config": {"losses", "sections"},
-    "sections": set(),
+    "models": {"config", "losses", "rundir"},
+    "config": {"losses", "sections", "bounded"},
+    "sections": {"bounded"},
 }
 
 

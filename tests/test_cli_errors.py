@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import os
 import shutil
 
 import pytest
@@ -199,3 +200,122 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
     assert run.checkpoint.exists() and not list(run.checkpoint_dir.glob("*.tmp"))
     state = torch.load(run.checkpoint, weights_only=True)
     assert state["state"]["step"] == 1  # the first checkpoint, intact
+
+
+# ---- messages that name the culprit (issue 22, class 7): real failures, not faked ones
+
+
+@pytest.fixture()
+def small_fs(tmp_path):
+    """A real tiny file system (tmpfs), so a full disk fails the way it does in the field."""
+    import subprocess
+
+    def mount(size: str):
+        where = tmp_path / f"fs_{size}"
+        where.mkdir()
+        result = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True
+        )
+        if result.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here (needs root/CAP_SYS_ADMIN): {result.stderr.decode()[:200]}")
+        mounted.append(where)
+        return where
+
+    mounted: list = []
+    yield mount
+    for where in mounted:
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)
+
+
+class _Stub:
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+
+def test_real_full_disk_while_writing_a_checkpoint_says_so(small_fs):
+    import torch
+
+    from turnrl.train.checkpoint import RunState, load_checkpoint, save_checkpoint
+
+    run = RunDir(small_fs("64k") / "r")
+    save_checkpoint(run, _Stub({"w": torch.zeros(1000)}), _Stub({}), RunState(step=1), {})
+    with pytest.raises(Exception) as err:  # torch itself raises RuntimeError("... unexpected pos N vs M")
+        save_checkpoint(run, _Stub({"w": torch.zeros(100_000)}), _Stub({}), RunState(step=2), {})
+    text = str(err.value)
+    assert "state.pt" in text and "is full" in text and "previous checkpoint is intact" in text, text
+    assert not list(run.checkpoint_dir.glob("*.tmp"))
+    assert load_checkpoint(run)["state"]["step"] == 1
+
+
+def test_real_full_disk_in_a_run_names_the_file_and_the_disk(tmp_path, small_fs):
+    fs = small_fs("100k")  # the run's first files fit, its first checkpoint (~200 kB for tiny) does not
+    cfg = _config(tmp_path, train={"steps": 2, "lr": 1e-3, "checkpoint_every": 1}, paths={"output_dir": str(fs)})
+    _fails(["train", cfg], "state.pt", "is full", "--resume")
+
+
+def test_real_full_disk_while_saving_the_adapter_names_it(tmp_path, small_fs):
+    fs = small_fs("64k")  # the adapter (~60 kB for tiny) is written first and does not fit
+    cfg = _config(tmp_path, train={"steps": 1, "lr": 1e-3}, paths={"output_dir": str(fs)})
+    _fails(["train", cfg], "could not write the adapter", "iter_000", "is full")
+
+
+def test_a_lock_the_file_system_refuses_names_the_lock_and_the_fix(tmp_path, monkeypatch):
+    import fcntl
+
+    def no_locks(*args, **kwargs):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)  # what flock does on a network file system without locks
+    _fails(["train", _config(tmp_path)], ".lock", os.strerror(errno.ENOLCK), "local disk")
+
+
+def test_config_file_with_invalid_utf8_names_the_file(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b"run_name: r\ntrain: {steps: 1}  # caf\xe9\n")
+    _fails(["train", str(path)], "bad.yaml", "UTF-8", "line 2")
+    _fails(["eval", str(path)], "bad.yaml", "UTF-8")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [":Foo", "Foo:", "a b:C", "pkg..mod:C", "os:path:join"],
+    ids=["no-module", "no-class", "space", "dots", "two"],
+)
+def test_env_name_that_is_not_a_target_names_the_key(tmp_path, name):
+    _fails(["train", _config(tmp_path, env={"name": name})], "env.name", "package.module:Class")
+    _nothing_written(tmp_path)
+
+
+def test_hostile_input_in_a_real_process_is_one_line(tmp_path):
+    """The CLI as users run it (``python -m turnrl``): a bad override, an alias bomb, a deep task line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    bomb = "\n".join(
+        ["    l0: &x0 [lol, lol, lol, lol, lol, lol, lol, lol, lol]"]
+        + [f"    l{k}: &x{k} [" + ", ".join([f"*x{k - 1}"] * 9) + "]" for k in range(1, 9)]
+    )
+    (tmp_path / "bomb.yaml").write_text("model:\n  name: tiny\n  chat_template_kwargs:\n" + bomb + "\n")
+    (tmp_path / "deep.jsonl").write_text(
+        '{"task_id": "a", "env": "number_guess", "x": ' + "[" * 5000 + "]" * 5000 + "}\n"
+    )
+    plain = _config(tmp_path, env={"name": "number_guess"}, data={"train_file": str(tmp_path / "deep.jsonl")})
+    runs = [
+        (["train", plain, "--set", "train.steps=[1,"], "train.steps=[1,"),
+        (["train", str(tmp_path / "bomb.yaml")], "expands to more than"),
+        (["train", plain], "deep.jsonl:1"),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    for args, needle in runs:
+        proc = subprocess.run(
+            [sys.executable, "-m", "turnrl", *args], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path
+        )
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 2, (args, out[-2000:])
+        assert "Traceback" not in out and needle in " ".join(out.split()), (args, out[-2000:])
+        assert len(out.strip().splitlines()) <= 4 and len(out) < 1500, out[-2000:]

@@ -49,21 +49,46 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """What bad input raises: reported as one line (``TURNRL_DEBUG=1`` shows the traceback instead).
 
     ``ValueError`` covers the checks of environments, estimators and losses (unknown option,
-    split, scripted policy...); ``OSError`` unreadable or unwritable paths.
+    split, scripted policy...) and every input error of the project (``ConfigError``,
+    ``TaskFileError``, ``ExperimentError``: each names its file, line or key); ``OSError``
+    unreadable or unwritable paths; ``yaml.YAMLError`` and ``RecursionError`` are the last resort
+    for input read outside those readers (a YAML file, a value nested too deeply).
     """
     import os
 
     if os.environ.get("TURNRL_DEBUG"):
         return ()
+    import yaml
+
     from turnrl.models import ModelNotFoundError
     from turnrl.sandbox import SandboxUnavailable
     from turnrl.train.checkpoint import ResumeError
 
-    return ValueError, OSError, ModelNotFoundError, ResumeError, ImportError, SandboxUnavailable
+    return (
+        ValueError,
+        OSError,
+        ModelNotFoundError,
+        ResumeError,
+        ImportError,
+        SandboxUnavailable,
+        yaml.YAMLError,
+        RecursionError,
+    )
 
 
 def _fail(exc: BaseException) -> None:
-    message = str(exc) if not isinstance(exc, OSError) or not exc.filename else f"{exc.filename}: {exc.strerror}"
+    from turnrl.bounded import yaml_problem
+
+    if isinstance(exc, OSError) and exc.filename:
+        message = f"{exc.filename}: {exc.strerror}"
+    elif isinstance(exc, RecursionError):
+        message = "the input nests too deeply to process; flatten it (TURNRL_DEBUG=1 shows where)"
+    elif type(exc).__module__.startswith("yaml"):
+        message = f"not valid YAML: {yaml_problem(exc)}"  # type: ignore[arg-type]
+    else:
+        message = str(exc)
+    if len(message) > 4000:  # a message quoting user input never floods the terminal
+        message = message[:4000] + " ..."
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
@@ -263,10 +288,13 @@ def export_(
 @app.command()
 def plot(run_dir: Annotated[Path, typer.Argument(help="A run directory.")]) -> None:
     """Write the run's plots to RUN_DIR/plots/."""
-    from turnrl.tracking import make_plots
+    try:
+        from turnrl.tracking import make_plots
 
-    for path in make_plots(run_dir):
-        console.print(f"wrote {path}")
+        for path in make_plots(run_dir):
+            console.print(f"wrote {path}")
+    except _user_errors() as exc:
+        _fail(exc)
 
 
 @app.command()

@@ -3,6 +3,11 @@
 ``load_config(path, overrides)`` reads YAML, applies ``key.sub=value``
 overrides, and validates. Unknown keys and bad values raise
 :class:`ConfigError` naming the key, the bad value and the allowed values.
+
+Input is bounded before it is expanded: YAML is read by :func:`turnrl.bounded.load_yaml`
+(size, depth and alias-expansion limits), sizes that allocate per token or per episode have
+upper limits, and :meth:`RunConfig._check_budget` refuses a step whose rollouts would exceed
+:data:`MAX_EPISODES_PER_STEP` episodes or :data:`MAX_TOKENS_PER_STEP` sampled tokens.
 """
 
 from __future__ import annotations
@@ -10,7 +15,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import (
@@ -20,10 +25,30 @@ from pydantic import (
     model_validator,
 )
 
+from turnrl.bounded import (
+    MAX_NODES,
+    BoundedYAMLError,
+    InputTooLarge,
+    check_bounded,
+    load_yaml,
+    short_repr,
+    yaml_problem,
+)
 from turnrl.losses import MismatchConfig
 from turnrl.sections import ConfigError
 from turnrl.sections import PluginSection as _PluginSection
 from turnrl.sections import Section as _Section
+from turnrl.sections import located
+
+MAX_TOKENS_PER_TURN = 1 << 20
+"""Upper limit of ``sampler.max_tokens`` / ``eval.max_tokens`` (1,048,576: beyond any model's context)."""
+MAX_GROUP = 1 << 16
+"""Upper limit of ``rollout.group_size``, ``rollout.tasks_per_step`` and the product of ``rollout.branching``."""
+MAX_EPISODES_PER_STEP = 1 << 16
+"""Most episodes one step may collect: ``rollout.tasks_per_step`` × episodes per task (65,536)."""
+MAX_TOKENS_PER_STEP = 1 << 28
+"""Most tokens one step may sample: episodes × ``rollout.max_turns`` × ``sampler.max_tokens`` (268,435,456;
+about 2 GiB of token ids and log-probs before any model memory)."""
 
 
 def _refuse_moved(data: Any, section: str, keys: tuple[str, ...], to: str = "rollout") -> Any:
@@ -38,7 +63,7 @@ def _refuse_moved(data: Any, section: str, keys: tuple[str, ...], to: str = "rol
 
 
 class LoraConfig(_Section):
-    r: int = Field(16, ge=1)
+    r: int = Field(16, ge=1, le=4096)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -78,32 +103,32 @@ class SamplerConfig(_PluginSection):
     """Generation backend, a name of ``turnrl.sampling.SAMPLERS`` (``hf``: local transformers)."""
     temperature: float = Field(1.0, ge=0)
     top_p: float = Field(1.0, gt=0, le=1)
-    max_tokens: int = Field(64, ge=1)
+    max_tokens: int = Field(64, ge=1, le=MAX_TOKENS_PER_TURN)
     """Maximum new tokens per turn."""
     refresh_every: int = Field(1, ge=1)
     """Refresh the sampler's weights every k optimizer steps (k > 1: stale sampling)."""
-    top_k_logprobs: int = Field(0, ge=0)
+    top_k_logprobs: int = Field(0, ge=0, le=4096)
     """Record the sampler's top-k log-probs per action token (needed by ``loss.type: centered``)."""
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=1, le=MAX_EPISODES_PER_STEP)
     """Contexts generated together in one call."""
 
 
 class RolloutConfig(_Section):
-    tasks_per_step: int = Field(4, ge=1)
-    group_size: int = Field(8, ge=1)
+    tasks_per_step: int = Field(4, ge=1, le=MAX_GROUP)
+    group_size: int = Field(8, ge=1, le=MAX_GROUP)
     """Episodes per task for flat groups."""
-    branching: list[int] | None = None
+    branching: list[Annotated[int, Field(ge=1, le=MAX_GROUP)]] | None = Field(None, min_length=1, max_length=64)
     """Branch factor per turn for tree rollouts, e.g. ``[4, 4]`` = G1 × G2 (estimator ``branched``)."""
-    max_turns: int | None = Field(None, ge=1)
+    max_turns: int | None = Field(None, ge=1, le=MAX_GROUP)
     """Collector limit on turns (truncation); the environment's own horizon applies as well."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards have zero variance (DAPO)."""
     refill: bool = False
     """With dynamic sampling, sample more tasks to refill dropped groups (up to 3 rounds)."""
-    max_context_tokens: int | None = Field(None, ge=2)
+    max_context_tokens: int | None = Field(None, ge=2, le=1 << 24)
     """Limit on an episode's sequence (context + action tokens): reaching it ends the episode as
     truncated (stop reason ``context_limit``); an action crossing it is cut (``finish_reason`` length)."""
-    env_workers: int = Field(8, ge=1)
+    env_workers: int = Field(8, ge=1, le=1024)
     """Threads that step plain (non-async) environments concurrently."""
     shaping: bool = False
     """Add potential-based shaping r + γΦ(s') − Φ(s) where the environment defines Φ (applied as episodes end)."""
@@ -147,12 +172,12 @@ class TrainConfig(_Section):
     lr: float = Field(1e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
-    micro_batch_size: int = Field(8, ge=1)
+    micro_batch_size: int = Field(8, ge=1, le=MAX_EPISODES_PER_STEP)
     """Rows per forward/backward; gradients accumulate over the optimizer batch. With
     ``shared_prefix`` only rows of one micro-batch share their prefix: let it hold whole groups."""
     shared_prefix: bool = True
     """Run each token prefix shared by rows of a micro-batch once (a token trie; exact gradients)."""
-    max_pack_tokens: int = Field(8192, ge=16)
+    max_pack_tokens: int = Field(8192, ge=16, le=1 << 16)
     """Unique tokens per packed sequence with ``shared_prefix`` (bounds the N×N attention mask)."""
     num_iterations: int = Field(1, ge=1)
     """Optimizer passes over each batch of rollouts (PPO epochs)."""
@@ -160,7 +185,7 @@ class TrainConfig(_Section):
     """One forward/backward per turn group (requires token_sum, beta 0, num_iterations 1)."""
     gradient_checkpointing: bool = False
     """Recompute each layer's activations in backward (less memory, ~30% more compute)."""
-    logprob_chunk: int = Field(256, ge=1)
+    logprob_chunk: int = Field(256, ge=1, le=1 << 16)
     """Positions per chunk when computing log-probs from hidden states."""
     checkpoint_every: int = Field(1, ge=1)
     max_seconds: float | None = Field(None, gt=0)
@@ -183,11 +208,11 @@ class EvalConfig(_Section):
     """Evaluate every N steps (0: only before and after training)."""
     temperature: float = Field(0.0, ge=0)
     """Temperature of the one game per held-out task (0 = greedy)."""
-    samples_per_task: int = Field(0, ge=0)
+    samples_per_task: int = Field(0, ge=0, le=4096)
     """Additional sampled games per held-out task at ``sample_temperature`` (so a gain can be seen)."""
     sample_temperature: float | None = Field(None, gt=0)
     """Temperature of the sampled games (default: ``sampler.temperature``, the training one)."""
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_TOKENS_PER_TURN)
     before: bool = True
 
 
@@ -218,7 +243,8 @@ class PathsConfig(_Section):
 class RunConfig(_Section):
     run_name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
     """The run directory's name under ``paths.output_dir``: letters, digits, ``. _ -`` (no path)."""
-    seed: int = 0
+    seed: int = Field(0, ge=0, le=2**32 - 1)
+    """Seeds the model's initialisation, sampling and the task stream (0 ≤ seed < 2³², numpy's range)."""
     model: ModelConfig = ModelConfig()
     env: EnvConfig = EnvConfig()
     data: DataConfig = DataConfig()
@@ -262,8 +288,31 @@ class RunConfig(_Section):
                 stacklevel=2,
             )
 
+    def _check_budget(self) -> None:
+        """Refuse a step whose rollouts exceed the stated limits before anything is allocated."""
+        r = self.rollout
+        shape = f"rollout.group_size {r.group_size}" if not r.branching else f"rollout.branching {r.branching}"
+        per_task = self.episodes_per_task
+        if per_task > MAX_GROUP:
+            raise ValueError(f"{shape} gives {per_task:,} episodes per task; allowed: at most {MAX_GROUP:,} (lower it)")
+        episodes = r.tasks_per_step * per_task
+        if episodes > MAX_EPISODES_PER_STEP:
+            raise ValueError(
+                f"rollout.tasks_per_step {r.tasks_per_step} × {shape} = {episodes:,} episodes per step;"
+                f" allowed: at most {MAX_EPISODES_PER_STEP:,} (lower rollout.tasks_per_step or the group)"
+            )
+        turns = r.max_turns or 1
+        tokens = episodes * turns * self.sampler.max_tokens
+        if tokens > MAX_TOKENS_PER_STEP:
+            raise ValueError(
+                f"one step may sample {tokens:,} tokens (rollout.tasks_per_step {r.tasks_per_step} × {per_task:,}"
+                f" episodes per task × rollout.max_turns {r.max_turns or '(unset: counted as 1)'} × sampler.max_tokens"
+                f" {self.sampler.max_tokens}); allowed: at most {MAX_TOKENS_PER_STEP:,} — lower one of those keys"
+            )
+
     @model_validator(mode="after")
     def _check_combinations(self) -> RunConfig:
+        self._check_budget()
         self._resolve_mismatch()
         if self.train.decompose_turns:
             problems = []
@@ -329,7 +378,8 @@ def format_errors(
     allowed_at = allowed_at or _config_keys_at
     lines = [header]
     for err in exc.errors():
-        key = key_of(err["loc"])
+        loc, value = located(err)
+        key = key_of(loc)
         if err["type"] == "unknown_plugin_key":
             for name in err["ctx"]["keys"]:
                 lines.append(f"  unknown key {key + '.' + name!r}; allowed keys here: {err['ctx']['allowed']}")
@@ -343,7 +393,7 @@ def format_errors(
         elif err["type"] == "value_error" and isinstance(err.get("input"), dict):  # a section-level check
             lines.append(f"  {key}: {err['msg'].removeprefix('Value error, ')}")
         else:
-            lines.append(f"  {key}: {err['msg'].removeprefix('Value error, ')} (got {err.get('input')!r})")
+            lines.append(f"  {key}: {err['msg'].removeprefix('Value error, ')} (got {short_repr(value)})")
     return "\n".join(lines)
 
 
@@ -379,35 +429,68 @@ def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+MAX_OVERRIDE_BYTES = 64 << 10
+"""Longest ``--set`` value (64 KiB)."""
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as YAML) to a nested dict."""
+    """Apply ``a.b.c=value`` overrides (values parsed as bounded YAML) to a nested dict.
+
+    Every failure names the override: a value that is not YAML, is too large, or a key that is not a section.
+    """
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {item!r} must look like key.sub=value")
+            raise ConfigError(f"override {short_repr(item)} must look like key.sub=value")
         try:
-            set_dotted(data, key, yaml.safe_load(raw))
+            value = load_yaml(raw, max_bytes=MAX_OVERRIDE_BYTES)
+        except BoundedYAMLError as exc:
+            raise ConfigError(f"override {short_repr(item)}: the value is refused: {yaml_problem(exc)}") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(
+                f"override {short_repr(item)}: the value is not valid YAML ({yaml_problem(exc)});"
+                " quote a string, close brackets, e.g. --set 'train.steps=5'"
+            ) from None
+        except InputTooLarge as exc:
+            raise ConfigError(f"override {short_repr(item)}: the value is {exc}") from None
+        try:
+            set_dotted(data, key, value)
         except ConfigError as exc:
-            raise ConfigError(f"override {item!r}: {exc}") from None
+            raise ConfigError(f"override {short_repr(item)}: {exc}") from None
     return data
 
 
 def parse_config(data: dict[str, Any], source: str = "") -> RunConfig:
     try:
+        check_bounded(data, "the config", max_nodes=MAX_NODES)
         return RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, source)) from None
+    except InputTooLarge as exc:
+        raise ConfigError(f"invalid config {source}: {exc}") from None
 
 
 def read_config_data(path: str | Path) -> dict[str, Any]:
-    """The raw mapping of a YAML config file (not validated yet)."""
+    """The raw mapping of a YAML config file (not validated yet); every failure names the file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
+    raw = path.read_bytes()
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw[: exc.start].count(b"\n") + 1
+        raise ConfigError(
+            f"{path}: not valid UTF-8 (byte {exc.start}, line {line}); save the config as UTF-8 text"
+        ) from None
+    try:
+        data = load_yaml(text) or {}
+    except BoundedYAMLError as exc:
+        raise ConfigError(f"{path}: {yaml_problem(exc)}") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
+    except InputTooLarge as exc:
+        raise ConfigError(f"{path}: {exc}; a config is a small file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return data

@@ -12,6 +12,7 @@ Model names understood by :func:`load_model`:
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import os
 import shutil
@@ -26,6 +27,7 @@ from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from turnrl.config import LoraConfig, ModelConfig
+from turnrl.rundir import write_failure
 
 CACHE_KWARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
 """The key/value-cache argument and output field: transformers 5 renamed ``past_key_values`` to ``cache``."""
@@ -201,7 +203,10 @@ def save_adapter(model: PeftModel, path: str | Path) -> Path:
         shutil.rmtree(path)
 
     def build(tmp: Path) -> None:
-        model.save_pretrained(tmp)
+        try:
+            model.save_pretrained(tmp)
+        except Exception as exc:  # noqa: BLE001 - safetensors reports a full disk as its own "I/O error"
+            raise OSError(errno.EIO, f"could not write the adapter: {write_failure(tmp, exc)}", str(path)) from None
 
     return _atomic_dir(path, build)
 

@@ -9,6 +9,7 @@ atomically (temp file + rename) so a kill never leaves a half-written file.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
@@ -151,6 +152,37 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+FULL_DISK_BYTES = 1 << 20
+"""A failed write with less free space than this (1 MiB) left on its file system is reported as a full disk."""
+
+
+def write_failure(path: str | Path, exc: BaseException) -> str:
+    """Why writing ``path`` failed, naming a full disk when it is one, as ``reason; what to do``.
+
+    Call it while the partial output still exists: libraries report a short write in their own
+    words (torch: ``unexpected pos 73088 vs 72980``; safetensors: ``I/O error``), so the disk's
+    free space (``os.statvfs``) is measured as well as the error number.
+    """
+    where = Path(path)
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        st = os.statvfs(where)
+        free: int | None = st.f_bavail * st.f_frsize
+    except OSError:
+        free = None
+    code = getattr(exc, "errno", None)
+    text = " ".join(str(exc).split())
+    reason = os.strerror(code) if isinstance(exc, OSError) and code else f"{type(exc).__name__}: {text}"
+    full = (
+        code in (errno.ENOSPC, errno.EDQUOT) or "No space left" in text or (free is not None and free < FULL_DISK_BYTES)
+    )
+    if full:
+        left = "unknown" if free is None else f"{free:,}"
+        return f"{reason[:300]}; the disk holding {where} is full ({left} bytes free while writing): free space there"
+    return f"{reason[:300]}; check that {where} is writable and has space"
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -2,7 +2,9 @@
 
 A task file is JSONL: one object per line with ``task_id`` and ``env``; every
 other key goes into the task's ``params``. Bad lines raise
-:class:`TaskFileError` naming the file, line and field. Training draws tasks
+:class:`TaskFileError` naming the file, line and field — whatever is wrong with
+the line (nesting past :data:`turnrl.bounded.MAX_DEPTH`, a ``params`` that is not
+an object, a check of the environment that trips over an odd value). Training draws tasks
 from an endless stream whose epochs are seeded permutations, so a resumed run
 continues where it stopped.
 """
@@ -15,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from turnrl.bounded import MAX_NODES, InputTooLarge, check_bounded, short_repr
 from turnrl.types import SplitName, Task
 
 
@@ -42,8 +45,13 @@ def read_json_lines(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
                 continue
             try:
                 obj = json.loads(line)
+                check_bounded(obj, where, max_nodes=MAX_NODES)
             except json.JSONDecodeError as exc:
-                raise TaskFileError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") from exc
+                raise TaskFileError(f"{where}: not valid JSON ({exc.msg}); each line must be one JSON object") from None
+            except RecursionError:
+                raise TaskFileError(f"{where}: the JSON nests too deeply; a task is a flat object") from None
+            except InputTooLarge as exc:
+                raise TaskFileError(f"{exc}; a task is a small object") from None
             if not isinstance(obj, dict):
                 raise TaskFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             yield where, obj
@@ -66,13 +74,24 @@ def load_task_file(
         for key in ("task_id", "env"):
             if not isinstance(obj.get(key), str) or not obj.get(key):
                 raise TaskFileError(f"{where}: missing or empty field {key!r} (a string)")
-        params = dict(obj.pop("params", {}) or {})
+        params = obj.pop("params", None)
+        if params is not None and not isinstance(params, dict):
+            raise TaskFileError(
+                f"{where}: field 'params' must be a JSON object of task parameters, got {short_repr(params)}"
+            )
+        params = dict(params or {})
         task_id, env = obj.pop("task_id"), obj.pop("env")
         task_split = obj.pop("split", split or SplitName.TRAIN)
+        if not isinstance(task_split, str):
+            raise TaskFileError(f"{where}: field 'split' must be a string, got {short_repr(task_split)}")
         params.update(obj)
         task = Task(task_id=task_id, env=env, params=params, split=task_split)
         if validate is not None:
-            validate(task, where)
+            try:
+                validate(task, where)
+            except (TypeError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+                # an environment's check that trips over an odd value still names the line
+                raise TaskFileError(f"{where}: bad task ({type(exc).__name__}: {str(exc)[:200]})") from None
         tasks.append(task)
     if not tasks:
         raise TaskFileError(f"{path}: no tasks found (the file is empty)")

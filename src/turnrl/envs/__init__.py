@@ -1,16 +1,20 @@
 """Environment registry: one line per task family, imported lazily.
 
 ``env.name`` in a config is a registered name or ``package.module:Class`` (an
-environment in your own package, no registration call needed).
+environment in your own package, no registration call needed). Options are validated
+by the environment's :class:`~turnrl.envs.base.EnvOptions` model here, before tasks are
+listed or an environment is built.
 """
 
 from __future__ import annotations
 
 import importlib
+import re
 from pathlib import Path
 from typing import Any
 
-from turnrl.envs.base import Env, check_options, check_split
+from turnrl.bounded import short_repr
+from turnrl.envs.base import Env, EnvOptions, check_split
 from turnrl.tasks import load_task_file
 from turnrl.types import Message, StepResult, StopReason, Task
 
@@ -28,14 +32,29 @@ def register_env(name: str, target: str | type[Env]) -> None:
     ENV_REGISTRY[name] = target
 
 
+_TARGET = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+
+
 def _import_class(target: str, name: str) -> type[Env]:
+    if not _TARGET.match(target):
+        raise ValueError(
+            f"env.name {short_repr(name)}: {short_repr(target)} is not 'package.module:Class' (dotted Python names"
+            f" on both sides of one ':'); give that, or a registered name: {', '.join(sorted(ENV_REGISTRY))}"
+        )
     module, _, attr = target.partition(":")
     try:
         cls = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as exc:
-        raise ValueError(f"environment {name!r}: cannot import {target!r} ({exc})") from None
+        raise ValueError(f"env.name {name!r}: cannot import {target!r} ({exc})") from None
+    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing: name it, not a traceback
+        raise ValueError(
+            f"env.name {name!r}: importing {module!r} failed ({type(exc).__name__}: {str(exc)[:200]}); fix that module"
+        ) from None
     if not (isinstance(cls, type) and issubclass(cls, Env)):
-        raise ValueError(f"environment {name!r}: {target!r} is not a subclass of turnrl.envs.Env")
+        raise ValueError(
+            f"env.name {short_repr(name)}: {short_repr(target)} is not a subclass of turnrl.envs.Env;"
+            " name an environment class"
+        )
     return cls
 
 
@@ -47,7 +66,8 @@ def get_env_class(name: str) -> type[Env]:
     if ":" in name:
         return _import_class(name, name)
     raise ValueError(
-        f"unknown environment {name!r}; registered: {', '.join(sorted(ENV_REGISTRY))} (or give 'package.module:Class')"
+        f"env.name: unknown environment {short_repr(name)}; registered: {', '.join(sorted(ENV_REGISTRY))}"
+        " (or give 'package.module:Class')"
     )
 
 
@@ -65,11 +85,16 @@ def load_tasks(
     named_split: str,
     limit: int | None = None,
 ) -> list[Task]:
-    """Tasks from ``path`` when given, else the environment's built-in set ``named_split``; first ``limit``."""
+    """Tasks from ``path`` when given, else the environment's built-in set ``named_split``; first ``limit``.
+
+    The options are validated first (by the environment's ``Options`` model), for every environment.
+    """
+    cls = get_env_class(env_name)
+    cls.parse_options(env_options)
     if path:
-        tasks = tasks_from_file(env_name, path, split)
+        tasks = cls.load_tasks(path, split)
     else:
-        tasks = get_env_class(env_name).default_tasks(named_split, **env_options)
+        tasks = cls.default_tasks(named_split, **env_options)
     return tasks[:limit] if limit else tasks
 
 
@@ -81,11 +106,11 @@ def make_env(task: Task, **options: Any) -> Env:
 __all__ = [
     "ENV_REGISTRY",
     "Env",
+    "EnvOptions",
     "Message",
     "StepResult",
     "StopReason",
     "Task",
-    "check_options",
     "check_split",
     "get_env_class",
     "load_task_file",

@@ -8,6 +8,12 @@ named stop reason. Parsing failures belong to the environment: a malformed
 reply gets the environment's failure reward and a clear observation, never an
 exception that ends training.
 
+Options (``env.options`` in a config) are one typed model per environment: a subclass of
+:class:`EnvOptions` set as ``Options``. :meth:`Env.parse_options` validates them under the strict
+rules of :mod:`turnrl.sections` (unknown keys refused, ``true``/``false`` only for booleans,
+finite floats, ranges) whenever an environment is built or its tasks are listed — a new
+environment gets this by declaring its fields; one without options refuses any.
+
 Environments must be deterministic given their task and the actions they
 receive, and deep-copyable: branched rollouts copy an environment after turn 1
 so every continuation sees byte-identical replies.
@@ -28,10 +34,17 @@ from collections.abc import Callable, Hashable
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pydantic import ValidationError
+
+from turnrl.sections import Section, error_lines, strict_validate
 from turnrl.tasks import load_task_file
 from turnrl.types import Message, SplitName, StepResult, StopReason, Task
 
-__all__ = ["Env", "Message", "StepResult", "StopReason", "Task", "check_options", "check_split"]
+__all__ = ["Env", "EnvOptions", "Message", "StepResult", "StopReason", "Task", "check_split"]
+
+
+class EnvOptions(Section):
+    """Base of an environment's options model (``env.options``): no fields, so no option is accepted."""
 
 
 class Env(ABC):
@@ -44,10 +57,30 @@ class Env(ABC):
 
     name: ClassVar[str] = ""
     max_turns: int = 1
+    Options: ClassVar[type[EnvOptions]] = EnvOptions
+    """The environment's options model (fields with types, defaults and ranges)."""
 
     def __init__(self, task: Task, **options: Any) -> None:
         self.task = task
-        self.options = options
+        self.options = self.parse_options(options)
+
+    @classmethod
+    def parse_options(cls, options: dict[str, Any] | None = None) -> Any:
+        """``options`` validated by :attr:`Options` (strictly), or one ``ValueError`` naming the key,
+        the value and what is allowed."""
+        options = dict(options or {})
+        model = cls.Options
+        allowed = sorted(f.alias or n for n, f in model.model_fields.items())
+        unknown = sorted(set(options) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {', '.join(map(repr, unknown))} for environment {cls.name!r}; "
+                f"allowed: {', '.join(allowed) or '(none: this environment takes no options)'}"
+            )
+        try:
+            return strict_validate(model, options)
+        except ValidationError as exc:
+            raise ValueError(f"environment {cls.name!r}: " + "; ".join(error_lines(exc, "env.options"))) from None
 
     @abstractmethod
     def initial_messages(self) -> list[Message]:
@@ -103,16 +136,6 @@ class Env(ABC):
         step), return one extra reward per episode (added to its last turn), or None (the default).
         Logged as the episode metric ``reward/group``. See :class:`turnrl.envs.rubric.Rubric`."""
         return None
-
-
-def check_options(env_name: str, options: dict[str, Any], allowed: frozenset[str]) -> None:
-    """Refuse environment options the environment does not know, naming the allowed ones."""
-    unknown = sorted(set(options) - allowed)
-    if unknown:
-        raise ValueError(
-            f"unknown option(s) {', '.join(map(repr, unknown))} for environment {env_name!r}; "
-            f"allowed: {', '.join(sorted(allowed))}"
-        )
 
 
 def check_split(split: str) -> str:

@@ -22,14 +22,16 @@ import re
 from pathlib import Path
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from turnrl.envs.base import (
     Env,
+    EnvOptions,
     Message,
     SplitName,
     StepResult,
     StopReason,
     Task,
-    check_options,
     check_split,
 )
 from turnrl.tasks import TaskFileError, read_json_lines
@@ -103,6 +105,14 @@ def grade(text: str, gold: str) -> tuple[float, StopReason]:
     return 0.0, StopReason.FAILURE
 
 
+class MathOptions(EnvOptions):
+    train_path: str | None = None
+    eval_path: str | None = None
+    """GSM8K JSONL files per split (unset: the hub dataset)."""
+    limit: int | None = Field(None, ge=1)
+    """Keep the first ``limit`` problems of the split."""
+
+
 class MathEnv(Env):
     """Single-turn GSM8K-style math word problem.
 
@@ -117,11 +127,10 @@ class MathEnv(Env):
 
     name: ClassVar[str] = "math"
     max_turns: int = 1
-    OPTIONS: ClassVar[frozenset[str]] = frozenset({"train_path", "eval_path", "limit"})
+    Options = MathOptions
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
-        check_options(self.name, options, self.OPTIONS)
         question = task.params.get("question")
         answer = task.params.get("answer")
         if not isinstance(question, str) or not question.strip():
@@ -163,10 +172,10 @@ class MathEnv(Env):
     @classmethod
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """GSM8K tasks for a split: from ``train_path``/``eval_path`` if set, else the hub."""
-        check_options(cls.name, options, cls.OPTIONS)
+        opts = cls.parse_options(options)
         split = check_split(split)
-        path = options.get("train_path" if split == SplitName.TRAIN else "eval_path")
-        return load_gsm8k(path, split, limit=options.get("limit"))
+        path = opts.train_path if split == SplitName.TRAIN else opts.eval_path
+        return load_gsm8k(path, split, limit=opts.limit)
 
 
 def load_gsm8k(path: str | Path | None, split: str, limit: int | None = None) -> list[Task]:

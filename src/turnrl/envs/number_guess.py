@@ -24,14 +24,16 @@ from __future__ import annotations
 import re
 from typing import Any, ClassVar
 
+from pydantic import Field
+
 from turnrl.envs.base import (
     Env,
+    EnvOptions,
     Message,
     SplitName,
     StepResult,
     StopReason,
     Task,
-    check_options,
     check_split,
 )
 
@@ -77,6 +79,13 @@ def feedback_text(direction: str) -> str:
     return f"<feedback>{direction}</feedback>"
 
 
+class NumberGuessOptions(EnvOptions):
+    few_shot: bool = False
+    """Open with one worked example game."""
+    max_turns: int = Field(DEFAULT_MAX_TURNS, ge=1, le=1000)
+    """Guesses allowed before the game is lost."""
+
+
 class NumberGuessEnv(Env):
     """Guess a hidden integer in [1, 20] from higher/lower feedback.
 
@@ -90,22 +99,19 @@ class NumberGuessEnv(Env):
     """
 
     name: ClassVar[str] = "number_guess"
-    OPTIONS: ClassVar[frozenset[str]] = frozenset({"few_shot", "max_turns"})
+    Options = NumberGuessOptions
+    options: NumberGuessOptions
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
-        check_options(self.name, options, self.OPTIONS)
         target = task.params.get("target")
         if isinstance(target, bool) or not isinstance(target, int) or not LOW <= target <= HIGH:
             raise ValueError(
                 f"task {task.task_id!r}: params.target must be an integer in [{LOW}, {HIGH}], got {target!r}"
             )
-        max_turns = options.get("max_turns", DEFAULT_MAX_TURNS)
-        if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns < 1:
-            raise ValueError(f"number_guess option max_turns must be an integer >= 1, got {max_turns!r}")
         self.target: int = target
-        self.max_turns = max_turns
-        self.few_shot: bool = bool(options.get("few_shot", False))
+        self.max_turns = self.options.max_turns
+        self.few_shot: bool = self.options.few_shot
         self.turns = 0
         self.done = False
         self.low, self.high = LOW, HIGH
@@ -206,7 +212,7 @@ class NumberGuessEnv(Env):
     @classmethod
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """Train: odd targets 1..19; eval: even targets 2..20 (10 tasks each)."""
-        check_options(cls.name, options, cls.OPTIONS)
+        cls.parse_options(options)
         split = check_split(split)
         start = 1 if split == SplitName.TRAIN else 2
         return [

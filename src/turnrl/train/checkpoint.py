@@ -12,6 +12,7 @@ pickled code from the run directory.
 
 from __future__ import annotations
 
+import errno as _errno
 import fcntl
 import json
 import os
@@ -25,7 +26,7 @@ import torch
 import yaml
 
 from turnrl.config import RunConfig, resume_conflicts
-from turnrl.rundir import RunDir, atomic_write_text
+from turnrl.rundir import RunDir, atomic_write_text, write_failure
 
 
 class ResumeError(RuntimeError):
@@ -155,21 +156,19 @@ def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: dic
     payload = Checkpoint(
         state, summary, trainer.state_dict(), sampler.state_dict(), _rng_state(), row_counts(run)
     ).to_payload()
-    run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     tmp = run.checkpoint.with_name(run.checkpoint.name + ".tmp")
     try:
+        run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
         torch.save(payload, tmp)
         with open(tmp, "rb") as fh:
             os.fsync(fh.fileno())
         os.replace(tmp, run.checkpoint)
-    except (OSError, RuntimeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - torch reports a short write as RuntimeError("unexpected pos ...")
+        why = write_failure(tmp, exc)  # measured while the partial file still fills the disk
         tmp.unlink(missing_ok=True)
-        reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else str(exc)
-        if "No space" not in reason and "write" in reason.lower():  # torch's own write failure
-            reason += " (no space left on the device?)"
+        kept = "the previous checkpoint is intact" if run.checkpoint.exists() else "no checkpoint was kept"
         raise ResumeError(
-            f"could not write the checkpoint {run.checkpoint}: {reason}; the previous checkpoint is intact"
-            " — free space and resume with --resume"
+            f"could not write the checkpoint {run.checkpoint}: {why}; then resume with --resume ({kept})"
         ) from None
 
 
@@ -228,6 +227,17 @@ class RunLock:
             raise ResumeError(
                 f"the run directory {self.path.parent} is in use by {holder}; wait for it to finish,"
                 " or choose another --run-name"
+            ) from None
+        except OSError as exc:  # ENOLCK (network file systems), EBADF, ...: name the lock and the fix
+            fh.close()
+            hint = (
+                "its file system does not support locks (a network file system?): put paths.output_dir on a"
+                " local disk, or mount with lock support"
+                if exc.errno in (_errno.ENOLCK, _errno.EOPNOTSUPP, _errno.ENOSYS)
+                else "check the run directory's file system"
+            )
+            raise ResumeError(
+                f"cannot lock the run directory {self.path.parent} (flock on {self.path}: {exc.strerror}); {hint}"
             ) from None
         fh.seek(0)
         fh.truncate()

@@ -14,10 +14,13 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any, ClassVar
 
-from turnrl.envs.base import Env, Message, StepResult, StopReason, Task, check_options
+from pydantic import Field
+
+from turnrl.envs.base import Env, EnvOptions, Message, StepResult, StopReason, Task
 from turnrl.envs.key_door.game import (
     DEFAULT_NUM_COLORS,
     ENV_NAME,
+    PALETTE,
     Action,
     generate_tasks,
     make_game,
@@ -26,10 +29,22 @@ from turnrl.envs.key_door.parser import parse_action
 from turnrl.envs.tools import ToolEnv
 
 
-def _game_for(task: Task, options: dict[str, Any]):
+class KeyDoorToolsOptions(EnvOptions):
+    horizon: int | None = Field(None, ge=1, le=1000)
+    """Actions before truncation (unset: the task's ``horizon``, or 8)."""
+    num_colors: int = Field(DEFAULT_NUM_COLORS, ge=2, le=len(PALETTE))
+    """Colours per room, for :meth:`default_tasks`."""
+
+
+class KeyDoorOptions(KeyDoorToolsOptions):
+    end_on_invalid: bool = False
+    """End the episode (reward 0, ``MALFORMED``) on an unparseable reply."""
+
+
+def _game_for(task: Task, options: KeyDoorToolsOptions):
     """The task's game (``horizon`` option applied); a bad task is one clear error naming it."""
     try:
-        return make_game(task.params, horizon=options.get("horizon"))
+        return make_game(task.params, horizon=options.horizon)
     except (KeyError, TypeError, ValueError) as exc:
         raise ValueError(f"task {task.task_id!r}: {exc}") from exc
 
@@ -48,14 +63,14 @@ class KeyDoorEnv(Env):
     """
 
     name: ClassVar[str] = ENV_NAME
-    OPTIONS: ClassVar[frozenset[str]] = frozenset({"horizon", "end_on_invalid", "num_colors"})
+    Options = KeyDoorOptions
+    options: KeyDoorOptions
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
-        check_options(self.name, options, self.OPTIONS)
-        self.game = _game_for(task, options)
+        self.game = _game_for(task, self.options)
         self.max_turns = self.game.horizon
-        self.end_on_invalid = bool(options.get("end_on_invalid", False))
+        self.end_on_invalid = self.options.end_on_invalid
 
     def potential(self) -> float:
         """Φ of the current state (see :meth:`KeyDoorGame.potential`)."""
@@ -110,8 +125,7 @@ class KeyDoorEnv(Env):
     @classmethod
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """Generated rooms (see :func:`generate_tasks`); option ``num_colors`` (default 3)."""
-        check_options(cls.name, options, cls.OPTIONS)
-        return generate_tasks(split, options.get("num_colors", DEFAULT_NUM_COLORS))
+        return generate_tasks(split, cls.parse_options(options).num_colors)
 
 
 class KeyDoorToolsEnv(ToolEnv):
@@ -126,12 +140,12 @@ class KeyDoorToolsEnv(ToolEnv):
     """
 
     name: ClassVar[str] = "key_door_tools"
-    OPTIONS: ClassVar[frozenset[str]] = frozenset({"horizon", "num_colors"})
+    Options = KeyDoorToolsOptions
+    options: KeyDoorToolsOptions
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
-        check_options(self.name, options, self.OPTIONS)
-        self.game = _game_for(task, options)
+        self.game = _game_for(task, self.options)
         self.max_turns = self.game.horizon
 
     def reset(self, **params: Any) -> str:
@@ -200,5 +214,5 @@ class KeyDoorToolsEnv(ToolEnv):
     @classmethod
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """The rooms of :meth:`KeyDoorEnv.default_tasks`, for this environment."""
-        check_options(cls.name, options, cls.OPTIONS)
-        return [replace(t, env=cls.name) for t in generate_tasks(split, options.get("num_colors", DEFAULT_NUM_COLORS))]
+        num_colors = cls.parse_options(options).num_colors
+        return [replace(t, env=cls.name) for t in generate_tasks(split, num_colors)]

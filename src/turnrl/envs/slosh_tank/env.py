@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
-from turnrl.envs.base import Env, Message, StepResult, StopReason, Task, check_options
+from pydantic import Field
+
+from turnrl.envs.base import Env, EnvOptions, Message, StepResult, StopReason, Task
 from turnrl.envs.slosh_tank import physics, prompts, tasks
 from turnrl.envs.slosh_tank.controllers import SCRIPTED_POLICIES
 from turnrl.envs.slosh_tank.extract import extract_code, has_code
@@ -62,6 +64,18 @@ class _Progress:
     outcomes: list[PolicyOutcome] = field(default_factory=list)
 
 
+class SloshTankOptions(EnvOptions):
+    probe_steps: int = Field(prompts.PROBE_STEP_LIMIT, ge=1, le=100_000)
+    """Most ``env.step`` calls a probe may make."""
+    observation_chars: int = Field(prompts.OBSERVATION_CHARS, ge=1, le=1_000_000)
+    """Most characters of the probe's output shown to the model."""
+    sandbox: Any = None
+    """A :class:`SandboxLimits` or a mapping of its fields, validated by ``SandboxLimits.from_options``."""
+    system_prompt: str | None = Field(None, max_length=100_000)
+    check_env_code: bool = True
+    """The task's ``env_code`` must equal the installed physics source."""
+
+
 class SloshTankEnv(Env):
     """Slosh tank, two turns: probe (``main(env)``) or draft, then ``policy(state)``.
 
@@ -78,29 +92,20 @@ class SloshTankEnv(Env):
 
     name = "slosh_tank"
     max_turns = 2
-    OPTIONS: ClassVar[frozenset[str]] = frozenset(
-        {"probe_steps", "observation_chars", "sandbox", "system_prompt", "check_env_code"}
-    )
+    Options = SloshTankOptions
+    options: SloshTankOptions
 
-    def __init__(
-        self,
-        task: Task,
-        *,
-        probe_steps: int = prompts.PROBE_STEP_LIMIT,
-        observation_chars: int = prompts.OBSERVATION_CHARS,
-        sandbox: SandboxLimits | dict[str, Any] | None = None,
-        system_prompt: str | None = None,
-        check_env_code: bool = True,
-        **options: Any,
-    ) -> None:
+    def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
-        check_options(self.name, options, self.OPTIONS)
-        self.scenarios = tasks.validate_params(task.params, f"task {task.task_id!r}", check_env_code=check_env_code)
-        self.probe_steps = int(probe_steps)
-        self.observation_chars = int(observation_chars)
-        self.limits = SandboxLimits.from_options(sandbox, self.name)
+        opts = self.options
+        self.scenarios = tasks.validate_params(
+            task.params, f"task {task.task_id!r}", check_env_code=opts.check_env_code
+        )
+        self.probe_steps = opts.probe_steps
+        self.observation_chars = opts.observation_chars
+        self.limits = SandboxLimits.from_options(opts.sandbox, self.name)
         check_isolation(self.limits)  # refuse now, naming the missing layer, rather than per call
-        self.system_prompt = system_prompt
+        self.system_prompt = opts.system_prompt
         self.progress = _Progress()
 
     # -- protocol -------------------------------------------------------
@@ -232,7 +237,7 @@ class SloshTankEnv(Env):
     @classmethod
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """The shipped tasks of ``train`` (24), ``eval`` (12) or ``smoke`` (2)."""
-        check_options(cls.name, options, cls.OPTIONS)
+        SandboxLimits.from_options(cls.parse_options(options).sandbox, cls.name)
         return tasks.shipped_tasks(split)
 
     @classmethod
