@@ -64,8 +64,9 @@ ALLOWED = {
     "envs": {"types", "tasks", "sandbox", "rundir"},
     "sampling": {"types", "chat", "models"},
     "models": {"config", "losses"},
-    "config": {"losses", "sections"},
+    "config": {"losses", "sections", "yamlio"},
     "sections": set(),
+    "yamlio": set(),
 }
 
 

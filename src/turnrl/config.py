@@ -23,6 +23,7 @@ from pydantic import (
 from turnrl.losses import MismatchConfig
 from turnrl.sections import PluginSection as _PluginSection
 from turnrl.sections import Section as _Section
+from turnrl.yamlio import load_yaml
 
 
 class LoraConfig(_Section):
@@ -364,7 +365,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         if not sep or not key:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         try:
-            set_dotted(data, key, yaml.safe_load(raw))
+            set_dotted(data, key, load_yaml(raw))
         except ConfigError as exc:
             raise ConfigError(f"override {item!r}: {exc}") from None
     return data
@@ -383,7 +384,7 @@ def read_config_data(path: str | Path) -> dict[str, Any]:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text()) or {}
+        data = load_yaml(path.read_text()) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(data, dict):

@@ -48,6 +48,7 @@ from turnrl.rundir import RunDir, atomic_write_text, iter_episodes
 from turnrl.tracking.plots import PLOT_NAMES, make_plots, rollout_files
 from turnrl.tracking.sinks import read_csv
 from turnrl.types import Episode, new_prompt_lengths
+from turnrl.yamlio import load_yaml
 
 ASSETS = ("report.html", "report.css", "report.js")
 """The page template, its style sheet and its script: package data in ``turnrl/tracking/assets/``."""
@@ -379,7 +380,7 @@ def write_report(run_dir: str | Path, tokenizer: Any = None, *, max_episodes: in
     run = RunDir(run_dir)
     config_text = run.config.read_text() if run.config.exists() else ""
     try:
-        config = yaml.safe_load(config_text) or {}
+        config = load_yaml(config_text) or {}
     except yaml.YAMLError:
         config = {}
     if not isinstance(config, dict):

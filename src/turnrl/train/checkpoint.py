@@ -5,7 +5,10 @@ the resumable state is written atomically to ``checkpoint/state.pt``: counters,
 the trainer's state (adapter, optimizer), the sampler's (version, stale
 snapshot), RNG states, and how many rows every progress and rollout file had.
 A resumed run cuts each of those files back to that row count — the only
-truncation rule — so it never duplicates a row. The file holds only tensors and
+truncation rule — so it never duplicates a row. Rows are complete records: a
+torn last line (a kill mid-append) is not a row, and a counted row that is not a
+record refuses the resume; a resume that finds no checkpoint cuts every file back
+to nothing and starts clean (:func:`cut_back`). The file holds only tensors and
 plain values and is loaded with ``weights_only=True``: resuming never executes
 pickled code from the run directory.
 """
@@ -25,7 +28,8 @@ import torch
 import yaml
 
 from turnrl.config import RunConfig, resume_conflicts
-from turnrl.rundir import RunDir, atomic_write_text
+from turnrl.rundir import RunDir, atomic_file, atomic_write_text, open_nofollow, refuse_links
+from turnrl.yamlio import load_yaml
 
 
 class ResumeError(RuntimeError):
@@ -48,11 +52,30 @@ class RunState:
 
 
 def _lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    """The complete rows of a progress file: its newline-ended lines (a torn unterminated tail is not one)."""
+    if not path.exists():
+        return []
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    return text.split("\n")[:-1]  # "a\nb\n" → [a, b]; "a\nb\ntorn" → [a, b]
 
 
 def row_counts(run: RunDir) -> dict[str, int]:
     return {str(p.relative_to(run.root)): len(_lines(p)) for p in run.progress_files()}
+
+
+def _check_records(path: Path, lines: list[str]) -> None:
+    """Every kept row of a JSONL file must be a JSON record; a damaged one refuses the resume, naming it."""
+    if path.suffix != ".jsonl":
+        return
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            json.loads(line)
+        except ValueError:
+            raise ResumeError(
+                f"{path}:{lineno} is not a complete record ({line[:60]!r}...) but the checkpoint counts it;"
+                " the run directory changed after the checkpoint. Restore the file, or start a new run"
+                " (another --run-name)"
+            ) from None
 
 
 def truncate_to(run: RunDir, counts: dict[str, int]) -> None:
@@ -72,8 +95,21 @@ def truncate_to(run: RunDir, counts: dict[str, int]) -> None:
     for path in run.progress_files():
         lines = _lines(path)
         keep = counts.get(str(path.relative_to(run.root)), 0)
-        if len(lines) > keep:
-            atomic_write_text(path, "".join(lines[:keep]))
+        if not path.exists():
+            continue
+        _check_records(path, lines[:keep])
+        if path.stat().st_size != sum(len(line.encode("utf-8")) + 1 for line in lines[:keep]):
+            atomic_write_text(path, "".join(line + "\n" for line in lines[:keep]))  # rows past it, a torn tail
+
+
+def cut_back(run: RunDir, ckpt: dict[str, Any] | None) -> None:
+    """Before a resume writes: every progress/rollout file back to the checkpoint's rows, or, with no
+    checkpoint (a kill before the first one), back to nothing — the resumed run starts from step 0."""
+    if ckpt is None:
+        truncate_to(run, {})
+        run.iteration_rows.unlink(missing_ok=True)
+    else:
+        truncate_to(run, ckpt["rows"])
 
 
 def record_iteration_rows(run: RunDir, iteration: int) -> None:
@@ -128,14 +164,10 @@ def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: dic
         "rows": row_counts(run),
     }
     run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run.checkpoint.with_name(run.checkpoint.name + ".tmp")
     try:
-        torch.save(payload, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, run.checkpoint)
+        with atomic_file(run.checkpoint) as fh:  # an exclusive temp file: a planted link is never followed
+            torch.save(payload, fh)
     except (OSError, RuntimeError) as exc:
-        tmp.unlink(missing_ok=True)
         reason = os.strerror(exc.errno) if isinstance(exc, OSError) and exc.errno else str(exc)
         if "No space" not in reason and "write" in reason.lower():  # torch's own write failure
             reason += " (no space left on the device?)"
@@ -160,7 +192,7 @@ def load_checkpoint(run: RunDir) -> dict[str, Any] | None:
 
 def read_saved_config(run: RunDir) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(run.config.read_text(encoding="utf-8"))
+        data = load_yaml(run.config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ResumeError(f"{run.config} cannot be read ({exc}); the run directory is damaged") from None
     if not isinstance(data, dict):
@@ -181,7 +213,9 @@ class RunLock:
     """An exclusive lock on a run directory while a trainer writes it.
 
     ``flock`` on ``<run>/.lock``: a second trainer is refused; the kernel drops the lock
-    when its holder dies, so a lock left by a killed run is taken over silently.
+    when its holder dies, so a lock left by a killed run is taken over silently. The lock
+    file opens without following a link and must be a plain file (:func:`open_nofollow`);
+    once held, the run directory must hold no link at all (:func:`refuse_links`).
     """
 
     def __init__(self, run: RunDir) -> None:
@@ -190,7 +224,7 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+")  # noqa: SIM115 - held for the lock's lifetime
+        fh = os.fdopen(open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+")  # held for the lock's life
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -201,11 +235,16 @@ class RunLock:
                 f"the run directory {self.path.parent} is in use by {holder}; wait for it to finish,"
                 " or choose another --run-name"
             ) from None
+        self._fh = fh
+        try:
+            refuse_links(self.path.parent)
+        except BaseException:
+            self.__exit__()
+            raise
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()}\n")
         fh.flush()
-        self._fh = fh
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -43,6 +43,7 @@ from turnrl.train.checkpoint import (
     RunLock,
     RunState,
     check_resume_config,
+    cut_back,
     load_checkpoint,
     record_iteration_rows,
     restore_rng,
@@ -215,8 +216,8 @@ def train(
     fresh = not run.root.exists()
     try:
         with RunLock(run) if main else contextlib.nullcontext():
-            if main and ckpt:
-                truncate_to(run, ckpt["rows"])
+            if main and resume:  # back to the checkpoint's rows; with no checkpoint, back to a clean start
+                cut_back(run, ckpt)
             elif main and start_iter is not None and run.config.exists():
                 truncate_to(run, rows_before_iteration(run, start_iter))
             if main:
