@@ -40,8 +40,12 @@ def _install(event: str, n: int) -> None:
 
         def save(obj, path, *a, **kw):
             if hit():
-                with open(path, "wb") as fh:
-                    fh.write(b"half a checkpoint")
+                if hasattr(path, "write"):  # the checkpoint's temp file, already open
+                    path.write(b"half a checkpoint")
+                    path.flush()
+                else:
+                    with open(path, "wb") as fh:
+                        fh.write(b"half a checkpoint")
                 _die()
             return real(obj, path, *a, **kw)
 
@@ -72,6 +76,7 @@ def _install(event: str, n: int) -> None:
 
         def write_jsonl(path, records, append=False):
             if append and hit():
+                path.parent.mkdir(parents=True, exist_ok=True)
                 with open(path, "a") as fh:
                     fh.write('{"episode_id": "torn')
                 _die()

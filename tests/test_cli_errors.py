@@ -189,8 +189,7 @@ def test_full_disk_during_checkpoint_keeps_the_previous_one(tmp_path, monkeypatc
     def save(obj, path, *a, **kw):
         calls["n"] += 1
         if calls["n"] == 2:  # the second checkpoint write hits a full disk half-way
-            with open(path, "wb") as fh:
-                fh.write(b"partial")
+            path.write(b"partial")  # the checkpoint's temp file, open
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_save(obj, path, *a, **kw)
 

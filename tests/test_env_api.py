@@ -69,7 +69,7 @@ class CalcToolEnv(ToolEnv):
 
     name = f"{HERE}:CalcToolEnv"
     max_turns = 3
-    malformed_reward = -1.0
+    failure_reward = -1.0
 
     @classmethod
     def default_tasks(cls, split, **options):

@@ -241,9 +241,13 @@ def test_never_raises_on_odd_model_output():
         "🙂 finish_",
         '{"a":' * 5000,  # deep nesting: json raises RecursionError, which must be caught
         "{" * 10000,
+        '{"name": "pickup", "arguments": "' + "[" * 5000 + '"}',  # a nested arguments string: RecursionError
     ]:
-        env = make()
-        env.step(text)
+        result = make().step(text)  # an unparseable reply is an invalid action: the game goes on
+        assert not result.done and result.reward == 0.0 and result.metrics["invalid"] == 1.0, text[:40]
+        assert result.messages[0]["content"].startswith("Invalid action."), text[:40]
+        ended = make(end_on_invalid=True).step(text)  # ... or ends with the failure reward
+        assert ended.stop_reason == StopReason.MALFORMED and ended.reward == KeyDoorEnv.failure_reward, text[:40]
 
 
 def test_default_tasks_are_deterministic_and_disjoint():

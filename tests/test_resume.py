@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -100,3 +101,53 @@ def test_resume_refuses_a_changed_config(tmp_path):
     assert result.returncode == 2
     assert "rollout.group_size" in result.stdout and "train.lr" in result.stdout
     assert "--allow-config-change" in result.stdout
+
+
+CLEAN_START = CONFIG.replace("eval: {{every: 2}}", "eval: {{every: 2, before: false}}").replace(
+    "loop: {{iterations: 2}}", "loop: {{iterations: 1}}"
+)
+
+
+@pytest.fixture(scope="module")
+def reference_without_base_eval(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ref_clean")
+    path = tmp / "ref.yaml"
+    path.write_text(CLEAN_START.format(name="ref", out=tmp / "runs"))
+    result = _run(["train", str(path)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp / "runs" / "ref"
+
+
+@pytest.mark.parametrize("kill_at", ["step:1", "rollouts:1"])
+def test_a_kill_before_the_first_checkpoint_resumes_from_a_clean_start(tmp_path, reference_without_base_eval, kill_at):
+    """No base evaluation: the first checkpoint comes after step 1's rows. Killed before it (with step 1's rows
+    written, or with a torn first rollout line), --resume must neither duplicate step 1 nor glue onto the tear."""
+    ref = reference_without_base_eval
+    config = tmp_path / "killed.yaml"
+    config.write_text(CLEAN_START.format(name="killed", out=tmp_path / "runs"))
+    run_dir = tmp_path / "runs" / "killed"
+    killed = _run(["train", str(config)], kill_at=kill_at)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert not (run_dir / "checkpoint/state.pt").exists()
+    resumed = _run(["train", str(config), "--resume", str(run_dir)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert _table(run_dir / "progress/train.csv", COMPARED) == _table(ref / "progress/train.csv", COMPARED)
+    assert len((run_dir / "progress/steps.jsonl").read_text().splitlines()) == 3
+    a = (run_dir / "rollouts/iter_000.jsonl").read_text().splitlines()
+    b = (ref / "rollouts/iter_000.jsonl").read_text().splitlines()
+    assert len(a) == len(b) == 3 * 2 * 2
+    assert [json.loads(line)["episode_id"] for line in a] == [json.loads(line)["episode_id"] for line in b]
+
+
+def test_a_planted_lock_link_stops_the_trainer_with_one_line(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    config = _config(tmp_path, "planted")
+    run_dir = tmp_path / "runs" / "planted"
+    run_dir.mkdir(parents=True)
+    (run_dir / ".lock").symlink_to(victim)
+    result = _run(["train", str(config)])
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert ".lock is a symbolic link" in result.stdout + result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert victim.read_text() == "precious\n"

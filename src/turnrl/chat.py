@@ -4,10 +4,17 @@ Token-in/token-out: the first context is the template's rendering of the opening
 messages; each later context is the previous context, the sampled action ids,
 and the environment's reply as the template's *token difference* (rendered with
 and without it). Model text is never re-tokenized to recover model tokens.
+
+Message content is plain text: a special-token string inside it (``<|im_end|>``
+written by an environment, a tool or a task file) is encoded as the ordinary
+tokens that spell it, never as the control token, so an observation cannot forge
+a turn. Only the template's own markup yields control tokens (:func:`render_ids`).
 """
 
 from __future__ import annotations
 
+import re
+import secrets
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +44,41 @@ def end_of_turn_ids(tokenizer) -> list[int]:
     return sorted(i for i in ids if i is not None)
 
 
+_MARK = f"\ue000{secrets.token_hex(6)}:"  # private-use characters and a per-process nonce: not in any content
+_MARK_RE = re.compile(re.escape(_MARK) + r"(\d+)\ue001")
+
+
+def special_strings(tokenizer) -> list[str]:
+    """The strings ``tokenizer`` encodes as control tokens (its special tokens), longest first."""
+    found = set(getattr(tokenizer, "all_special_tokens", []) or [])
+    found |= {t.content for t in (getattr(tokenizer, "added_tokens_decoder", {}) or {}).values() if t.special}
+    return sorted((t for t in found if t), key=lambda t: (-len(t), t))
+
+
+def plain_ids(tokenizer, text: str) -> TokenIds:
+    """``text`` as ordinary tokens: special-token strings spelled out (``split_special_tokens``), never control ids."""
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+    if set(ids) & set(tokenizer.all_special_ids):  # a tokenizer that ignores the flag: one character at a time
+        ids = [i for ch in text for i in tokenizer(ch, add_special_tokens=False, split_special_tokens=True).input_ids]
+    return ids
+
+
+def _mark_specials(messages: list[Message], specials: list[str]) -> tuple[list[Message], bool]:
+    """``messages`` with every special-token string in a string content replaced by a marker naming it."""
+    if not specials:
+        return messages, False
+    pattern = re.compile("|".join(map(re.escape, specials)))
+    index = {t: k for k, t in enumerate(specials)}
+    out, marked = [], False
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, str) and pattern.search(content):
+            m = {**m, "content": pattern.sub(lambda hit: f"{_MARK}{index[hit.group(0)]}\ue001", content)}
+            marked = True
+        out.append(m)
+    return out, marked
+
+
 def render_ids(
     tokenizer,
     messages: list[Message],
@@ -44,13 +86,29 @@ def render_ids(
     tools: list[dict[str, Any]] | None = None,
     **template_kwargs: Any,
 ) -> TokenIds:
-    """Token ids of the chat template applied to ``messages`` (with the tool schemas ``tools``, if any)."""
+    """Token ids of the chat template applied to ``messages`` (with the tool schemas ``tools``, if any).
+
+    Special-token strings inside message contents are encoded as plain text (:func:`plain_ids`):
+    the contents are rendered with a marker in their place, the template's text is encoded as
+    usual (its control tokens kept) and each marker becomes the ordinary tokens of its string.
+    Contents without special-token strings encode exactly as the template's text always did.
+    """
     if tools:
         template_kwargs = {**template_kwargs, "tools": tools}
+    specials = special_strings(tokenizer)
+    messages, marked = _mark_specials(messages, specials)
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
     )
-    return tokenizer(text, add_special_tokens=False).input_ids
+    if not marked:
+        return tokenizer(text, add_special_tokens=False).input_ids
+    ids: TokenIds = []
+    for k, piece in enumerate(_MARK_RE.split(text)):  # text, marker index, text, marker index, ...
+        if k % 2:
+            ids += plain_ids(tokenizer, specials[int(piece)])
+        elif piece:
+            ids += tokenizer(piece, add_special_tokens=False).input_ids
+    return ids
 
 
 def _source(message: Message) -> str:

@@ -35,10 +35,9 @@ from turnrl.bounded import (
     yaml_problem,
 )
 from turnrl.losses import MismatchConfig
-from turnrl.sections import ConfigError
+from turnrl.sections import ConfigError, located
 from turnrl.sections import PluginSection as _PluginSection
 from turnrl.sections import Section as _Section
-from turnrl.sections import located
 
 MAX_TOKENS_PER_TURN = 1 << 20
 """Upper limit of ``sampler.max_tokens`` / ``eval.max_tokens`` (1,048,576: beyond any model's context)."""

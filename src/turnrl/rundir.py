@@ -5,17 +5,26 @@ eval.csv, steps.jsonl, summary.json), ``rollouts/`` (``iter_NNN.jsonl`` training
 episodes, ``eval_step_NNNNN.jsonl`` evaluation episodes), ``adapters/iter_NNN/``,
 ``checkpoint/state.pt``, ``plots/`` and ``report.html``. Files are written
 atomically (temp file + rename) so a kill never leaves a half-written file.
+
+A run directory may be hostile (trainers often run as root): nothing is written
+through a symbolic link. Appends, the lock and temp files open with
+``O_NOFOLLOW`` (a temp file is created exclusively, so a planted one is never
+reused), a rename replaces a link rather than its target, and a trainer that
+takes a run directory first refuses any link inside it (:func:`refuse_links`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 from turnrl.types import Episode
 
@@ -131,11 +140,72 @@ class RunDir:
         return [self.train_csv, self.eval_csv, self.steps_jsonl, *self.train_rollout_files()]
 
 
+# ----------------------------------------------------------------------------- safe opens
+
+
+class RunDirError(OSError):
+    """A run directory holds something a trainer must not write through (a link, a non-regular file)."""
+
+
+def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
+    """``os.open`` that refuses a symbolic link as the last component (``O_NOFOLLOW``) and a non-regular file."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader (O_NONBLOCK: the open does not hang)
+            raise RunDirError(f"{path} is not a regular file; run files must be plain files. Remove it") from None
+        if exc.errno == errno.ELOOP:
+            raise RunDirError(
+                f"{path} is a symbolic link; run files are never written through links. Remove it"
+                " (or choose another --run-name)"
+            ) from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+        os.close(fd)
+        what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"a hard link ({info.st_nlink} names)"
+        raise RunDirError(f"{path} is {what}; run files must be plain files of their own. Remove it")
+    os.set_blocking(fd, True)
+    return fd
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append ``text`` (UTF-8) to ``path`` in one write, never through a link."""
+    fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    with os.fdopen(fd, "a", encoding="utf-8", newline="") as fh:
+        fh.write(text)
+
+
+def refuse_links(root: str | Path) -> None:
+    """Refuse a run directory that holds a symbolic link anywhere below it (planted to redirect a write)."""
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(folder) / name
+            if path.is_symlink():
+                raise RunDirError(
+                    f"{path} is a symbolic link (to {os.readlink(path)}); a run directory must hold none,"
+                    " as the trainer would write through it. Remove it, or choose another --run-name"
+                )
+
+
 # ----------------------------------------------------------------------------- atomic writes
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     """Write a file so that a kill leaves either the old or the new content, never half."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as fh:
+        fh.write(data)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | Path) -> Iterator[BinaryIO]:
+    """A binary file that replaces ``path`` when the block ends (fsynced); on error ``path`` is untouched.
+
+    The temp file is created exclusively (``mkstemp``: ``O_CREAT | O_EXCL``, never a planted file or link)
+    and renamed over ``path`` (a link at ``path`` is replaced, its target untouched).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
@@ -144,12 +214,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; give the usual permissions
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if os.path.lexists(tmp):
             os.unlink(tmp)
         raise
 
@@ -199,8 +269,7 @@ def write_jsonl(path: str | Path, records: Iterable[Episode], append: bool = Fal
     path.parent.mkdir(parents=True, exist_ok=True)
     lines = "".join(json.dumps(r.to_dict()) + "\n" for r in records)
     if append:
-        with path.open("a") as fh:
-            fh.write(lines)
+        append_text(path, lines)
         return
     atomic_write_text(path, lines)
 

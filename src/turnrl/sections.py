@@ -229,9 +229,8 @@ class PluginSection(Section):
             return value
         for name in value if isinstance(value, list) else [value]:
             if name not in cls.registry():
-                raise ValueError(
-                    f"{short_repr(name)} is not registered; choose one of {', '.join(map(repr, sorted(cls.registry())))}"
-                )
+                allowed = ", ".join(map(repr, sorted(cls.registry())))
+                raise ValueError(f"{short_repr(name)} is not registered; choose one of {allowed}")
         return value
 
     def _check_other_plugins(self, registry: dict[str, Any], owners: dict[str, list[str]]) -> None:

@@ -98,6 +98,9 @@ class StepResult:
     assistant_message: Message | None = None
     """How the action enters the conversation (e.g. with structured ``tool_calls``); None = the
     reply text as a plain assistant message."""
+    error: str | None = None
+    """Set by the collector when ``step`` raised on the reply (the exception's type and message);
+    the episode then ended with the environment's failure reward."""
 
     @property
     def done(self) -> bool:

@@ -5,8 +5,11 @@ then takes one assistant message at a time and answers with a
 :class:`StepResult`: the next messages (empty when the episode ends), the
 turn's reward, and whether the episode terminated or was truncated, with a
 named stop reason. Parsing failures belong to the environment: a malformed
-reply gets the environment's failure reward and a clear observation, never an
-exception that ends training.
+reply gets the environment's failure reward (:attr:`Env.failure_reward`) and a
+clear observation, never an exception that ends training. The collector holds
+every environment to this: a ``step`` that raises on a reply ends that episode
+with ``failure_reward``, stop reason ``MALFORMED`` and the episode metric
+``env_error`` (the exception is logged and recorded as the turn's observation).
 
 Options (``env.options`` in a config) are one typed model per environment: a subclass of
 :class:`EnvOptions` set as ``Options``. :meth:`Env.parse_options` validates them under the strict
@@ -59,6 +62,10 @@ class Env(ABC):
     max_turns: int = 1
     Options: ClassVar[type[EnvOptions]] = EnvOptions
     """The environment's options model (fields with types, defaults and ranges)."""
+    failure_reward: ClassVar[float] = 0.0
+    """The reward of a reply that cannot be parsed or executed: what the environment gives a
+    malformed reply, and what the collector gives when ``step`` raises on one (the lowest reward
+    the task gives, typically)."""
 
     def __init__(self, task: Task, **options: Any) -> None:
         self.task = task

@@ -101,6 +101,7 @@ class NumberGuessEnv(Env):
     name: ClassVar[str] = "number_guess"
     Options = NumberGuessOptions
     options: NumberGuessOptions
+    failure_reward: ClassVar[float] = MALFORMED_REWARD
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
@@ -173,7 +174,7 @@ class NumberGuessEnv(Env):
         self.turns += 1
         guess = parse_guess(action_text if isinstance(action_text, str) else "")
         if guess is None or not LOW <= guess <= HIGH:
-            return self._end(MALFORMED_REWARD, StopReason.MALFORMED, success=False, malformed=True)
+            return self._end(self.failure_reward, StopReason.MALFORMED, success=False, malformed=True)
         if guess == self.target:
             return self._end(success_reward(self.turns), StopReason.SUCCESS, success=True, malformed=False)
         if self.turns >= self.max_turns:

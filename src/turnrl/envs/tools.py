@@ -16,7 +16,7 @@ the same helper TRL and the chat templates use), and optionally ``get_reward()``
   exception raised *by the tool* is its reply (TRL's convention), the episode goes on;
 * a reply without a tool call ends the episode (TRL's convention: the final answer);
   a malformed call (bad JSON, unknown tool, arguments that do not fit) ends it with
-  ``malformed_reward`` and ``MALFORMED``;
+  the environment's ``failure_reward`` and ``MALFORMED``;
 * the assistant message is recorded with structured ``tool_calls``.
 
 :func:`tool_env_from_factory` wraps an existing TRL-style class (no-argument
@@ -26,6 +26,7 @@ constructor, ``reset(**row)``, tools, ``get_reward()``) into a :class:`ToolEnv`.
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import re
 from collections.abc import Callable
@@ -35,6 +36,8 @@ from turnrl.envs.base import Env, Message, StepResult, StopReason, Task
 from turnrl.types import tool_call_message
 
 TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_JSON_START_RE = re.compile(r'\{\s*"')
+_MAX_JSON_ATTEMPTS = 256
 RESERVED = frozenset({"reset", "get_reward", "is_done", "episode_end", "system_prompt"})
 
 
@@ -51,6 +54,8 @@ def _one_call(obj: Any, where: str) -> tuple[str, dict[str, Any]]:
             args = json.loads(args) if args.strip() else {}
         except json.JSONDecodeError as exc:
             raise ToolCallError(f'{where}: "arguments" is not valid JSON ({exc.msg})') from None
+        except RecursionError:
+            raise ToolCallError(f'{where}: "arguments" is nested too deeply') from None
     if not isinstance(args, dict):
         raise ToolCallError(f'{where}: "arguments" must be a JSON object')
     return obj["name"], args
@@ -61,7 +66,8 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
 
     ``<tool_call>...</tool_call>`` blocks (each one JSON object) take precedence; an opened
     but unclosed block, or a block that is not a call, raises :class:`ToolCallError`.
-    Without blocks, the first JSON object in the text that has a ``"name"`` is the call.
+    Without blocks, the first JSON object in the text that has a ``"name"`` is the call (among the
+    first 256 places an object could start). JSON nested too deeply is a :class:`ToolCallError`.
     """
     if not isinstance(text, str):
         raise ToolCallError("the reply is not text")
@@ -75,13 +81,16 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
                 obj = json.loads(block.strip())
             except json.JSONDecodeError as exc:
                 raise ToolCallError(f"tool call {k + 1} is not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise ToolCallError(f"tool call {k + 1} is nested too deeply") from None
             calls.append(_one_call(obj, f"tool call {k + 1}"))
         return calls
     decoder = json.JSONDecoder()
-    for start in (m.start() for m in re.finditer(r"\{", text)):
+    starts = (m.start() for m in _JSON_START_RE.finditer(text))  # an object with a key opens with {"
+    for start in itertools.islice(starts, _MAX_JSON_ATTEMPTS):  # bounded: pathological replies stay cheap
         try:
             obj, _ = decoder.raw_decode(text, start)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             continue
         if isinstance(obj, dict) and "name" in obj:
             return [_one_call(obj, "tool call")]
@@ -97,8 +106,6 @@ class ToolEnv(Env):
     """
 
     max_turns: int = 8
-    malformed_reward: ClassVar[float] = 0.0
-    """Reward of an episode ended by a malformed tool call."""
     describe_tools: ClassVar[bool] = True
     """Also list the tools and the call format in the system prompt."""
 
@@ -203,7 +210,7 @@ class ToolEnv(Env):
             self.over = True
             return StepResult(
                 [],
-                reward=self.malformed_reward,
+                reward=self.failure_reward,
                 terminated=True,
                 stop_reason=StopReason.MALFORMED,
                 metrics={"malformed": 1.0, "tool_calls": 0.0, "turns": float(self.turns)},
@@ -252,13 +259,14 @@ def tool_env_from_factory(
     name: str,
     max_turns: int = 8,
     done: Callable[[Any], bool] | None = None,
-    malformed_reward: float = 0.0,
+    failure_reward: float = 0.0,
 ) -> type[ToolEnv]:
     """A :class:`ToolEnv` class around a TRL ``environment_factory`` class (or any no-argument callable).
 
     The factory's object gives ``reset(**row)`` (it receives the task's params), its public
     methods are the tools, ``get_reward()`` the reward; ``done(obj)`` tells when the task
-    ended by itself (default: never; the episode ends when the model stops calling tools).
+    ended by itself (default: never; the episode ends when the model stops calling tools);
+    ``failure_reward`` is the reward of a malformed call.
     """
 
     class FactoryToolEnv(ToolEnv):
@@ -280,6 +288,6 @@ def tool_env_from_factory(
 
     FactoryToolEnv.name = name
     FactoryToolEnv.max_turns = max_turns
-    FactoryToolEnv.malformed_reward = malformed_reward
+    FactoryToolEnv.failure_reward = failure_reward
     FactoryToolEnv.__name__ = FactoryToolEnv.__qualname__ = f"ToolEnv[{getattr(factory, '__name__', name)}]"
     return FactoryToolEnv

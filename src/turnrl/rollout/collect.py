@@ -13,6 +13,12 @@ continued G2 times from a deep copy of its environment (byte-identical
 replies). A variant whose episode ended before a branch point is replicated,
 so every tree stays balanced (G1 × G2 leaves).
 
+No reply can stop a run: the environment's step on a reply is the one guarded
+call (:func:`guarded_step`). An exception it raises ends that episode with the
+environment's ``failure_reward``, stop reason ``MALFORMED``, episode metric
+``env_error`` and the exception as the turn's observation (logged once per
+environment class and exception type). Errors anywhere else still raise.
+
 Every turn records the state key the environment gave before it acted
 (``Turn.state_key``) and the provenance of its context tokens
 (``Turn.prompt_sources``). Every finished episode is checked against the record
@@ -24,9 +30,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import functools
 import inspect
 import json
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +56,9 @@ from turnrl.types import (
 )
 
 DEFAULT_ENV_WORKERS = 8
+_ERROR_CHARS = 500
+_log = logging.getLogger(__name__)
+_warned: set[tuple[str, str]] = set()
 
 
 class RolloutSection(Protocol):
@@ -202,6 +211,65 @@ def _gather(awaitables: list[Any]) -> list[Any]:
     return out
 
 
+def step_failure(env: Env, exc: Exception) -> StepResult:
+    """The result of a step that raised on the model's reply: the episode ends with the environment's
+    ``failure_reward`` (stop reason ``MALFORMED``, metric ``env_error``), the exception recorded."""
+    kind = type(exc).__name__
+    try:
+        detail = str(exc)[:_ERROR_CHARS]
+    except Exception:  # noqa: BLE001 - an exception whose message itself fails
+        detail = "(no message)"
+    if (type(env).__name__, kind) not in _warned:
+        _warned.add((type(env).__name__, kind))
+        _log.warning(
+            "environment %s raised %s on a model reply (%s); the episode ends with its failure reward %s."
+            " Environments should turn such replies into a malformed result themselves",
+            type(env).__name__,
+            kind,
+            detail,
+            env.failure_reward,
+        )
+    return StepResult(
+        [],
+        reward=float(env.failure_reward),
+        terminated=True,
+        stop_reason=StopReason.MALFORMED,
+        metrics={"env_error": 1.0},
+        error=f"{kind}: {detail}",
+    )
+
+
+def guarded_step(env: Env, text: str) -> Callable[[], Any]:
+    """The call that steps ``env`` on the reply ``text``, for :func:`run_concurrently`.
+
+    Any ``Exception`` from the step (or from awaiting an ``async`` one) becomes :func:`step_failure`;
+    ``BaseException`` (KeyboardInterrupt, SystemExit) passes.
+    """
+    step = env.step
+
+    async def guard_awaitable(awaitable: Any) -> Any:
+        try:
+            return await awaitable
+        except Exception as exc:  # noqa: BLE001 - the model's reply must not stop the run
+            return step_failure(env, exc)
+
+    if inspect.iscoroutinefunction(step):
+
+        async def run_async() -> Any:
+            return await guard_awaitable(step(text))
+
+        return run_async
+
+    def run() -> Any:
+        try:
+            out = step(text)
+        except Exception as exc:  # noqa: BLE001 - the model's reply must not stop the run
+            return step_failure(env, exc)
+        return guard_awaitable(out) if inspect.isawaitable(out) else out
+
+    return run
+
+
 def _key_json(env: Env) -> str | None:
     key = env.state_key()
     if key is None:
@@ -282,7 +350,7 @@ def collect(
             texts = [s.text if s.text is not None else chat.decode(s.ids) for s in samples]
             stepping = [k for k, (_, cut) in enumerate(fitted) if not cut]
             results: list[StepResult | None] = [None] * len(active)
-            stepped = run_concurrently([functools.partial(active[k].env.step, texts[k]) for k in stepping], pool)
+            stepped = run_concurrently([guarded_step(active[k].env, texts[k]) for k in stepping], pool)
             for k, result in zip(stepping, stepped, strict=True):
                 results[k] = result
             for e, sample, text, key, result in zip(active, samples, texts, keys, results, strict=True):
@@ -331,6 +399,8 @@ def _advance(
     if episode.potentials is not None and result is not None and not result.terminated:
         episode.potentials.append(float(episode.env.potential()))  # Φ(terminal) = 0 is not recorded
     observation = episode.env.observation_text(result.messages) if result is not None and result.messages else None
+    if result is not None and result.error is not None:
+        observation = f"[the environment raised on this reply: {result.error}]"
     episode.turns.append(
         Turn(
             index=len(episode.turns),

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from turnrl.bounded import load_yaml
 from turnrl.rundir import RunDir, iter_episodes
 from turnrl.types import SOURCES, Episode, Turn, new_prompt_lengths, token_sources
 
@@ -136,12 +137,10 @@ def rows_per_turn(config: Mapping[str, Any]) -> bool:
 
 def run_mask_report(run_dir: str | Path) -> tuple[list[RowSources], bool]:
     """Every training row of a run directory's training rollouts, and whether they are per-turn rows."""
-    import yaml
-
     run = RunDir(run_dir)
     if not run.root.is_dir():
         raise FileNotFoundError(f"{run.root}: not a run directory")
-    config = yaml.safe_load(run.config.read_text()) if run.config.exists() else None
+    config = load_yaml(run.config.read_text()) if run.config.exists() else None
     per_turn = rows_per_turn(config) if isinstance(config, dict) else False
     return [row for path in run.train_rollout_files() for row in mask_report(iter_episodes(path), per_turn)], per_turn
 

@@ -49,6 +49,7 @@ from typing import Any
 
 import yaml
 
+from turnrl.bounded import load_yaml
 from turnrl.rundir import RunDir, atomic_write_text, iter_episodes
 from turnrl.tracking.plots import PLOT_NAMES, make_plots, rollout_files
 from turnrl.tracking.provenance import SOURCE_NAMES, episode_rows, mask_report, rows_per_turn, summarize
@@ -427,7 +428,7 @@ def write_report(run_dir: str | Path, tokenizer: Any = None, *, max_episodes: in
     run = RunDir(run_dir)
     config_text = run.config.read_text() if run.config.exists() else ""
     try:
-        config = yaml.safe_load(config_text) or {}
+        config = load_yaml(config_text) or {}
     except yaml.YAMLError:
         config = {}
     if not isinstance(config, dict):

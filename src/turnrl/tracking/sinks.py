@@ -31,7 +31,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from turnrl.rundir import RunDir, atomic_write_text
+from turnrl.rundir import RunDir, append_text, atomic_write_text
 from turnrl.tracking.registry import (
     Metrics,
     MetricsSink,
@@ -140,8 +140,7 @@ class _CsvTable:
         if grew or not self._in_sync:
             self._rewrite()
         else:  # one write: a kill tears at most this line
-            with self.path.open("a", newline="") as fh:
-                fh.write(self._render([cells], header=False))
+            append_text(self.path, self._render([cells], header=False))
 
     def _render(self, rows: Iterable[Mapping[str, str]], header: bool) -> str:
         buf = io.StringIO()
@@ -171,8 +170,7 @@ class _JsonlLog:
     def add(self, row: Mapping[str, Any]) -> None:
         line = json.dumps({k: _json_value(v) for k, v in row.items()}, allow_nan=False) + "\n"
         if self._in_sync:
-            with self.path.open("a") as fh:
-                fh.write(line)
+            append_text(self.path, line)
         else:
             atomic_write_text(self.path, line)
             self._in_sync = True

@@ -5,7 +5,10 @@ the resumable state is written atomically to ``checkpoint/state.pt``: counters,
 the trainer's state (adapter, optimizer), the sampler's (version, stale
 snapshot), RNG states, and how many rows every progress and rollout file had.
 A resumed run cuts each of those files back to that row count — the only
-truncation rule — so it never duplicates a row. The file holds only tensors and
+truncation rule — so it never duplicates a row. Rows are complete records: a
+torn last line (a kill mid-append) is not a row, and a counted row that is not a
+record refuses the resume; a resume that finds no checkpoint cuts every file back
+to nothing and starts clean (:func:`cut_back`). The file holds only tensors and
 plain values and is loaded with ``weights_only=True``: resuming never executes
 pickled code from the run directory.
 """
@@ -25,8 +28,9 @@ import numpy as np
 import torch
 import yaml
 
+from turnrl.bounded import load_yaml
 from turnrl.config import RunConfig, resume_conflicts
-from turnrl.rundir import RunDir, atomic_write_text, write_failure
+from turnrl.rundir import RunDir, atomic_file, atomic_write_text, open_nofollow, refuse_links, write_failure
 
 
 class ResumeError(RuntimeError):
@@ -82,11 +86,30 @@ class Checkpoint:
 
 
 def _lines(path: Path) -> list[str]:
-    return path.read_text(encoding="utf-8").splitlines(keepends=True) if path.exists() else []
+    """The complete rows of a progress file: its newline-ended lines (a torn unterminated tail is not one)."""
+    if not path.exists():
+        return []
+    text = path.read_bytes().decode("utf-8", errors="replace")
+    return text.split("\n")[:-1]  # "a\nb\n" → [a, b]; "a\nb\ntorn" → [a, b]
 
 
 def row_counts(run: RunDir) -> dict[str, int]:
     return {str(p.relative_to(run.root)): len(_lines(p)) for p in run.progress_files()}
+
+
+def _check_records(path: Path, lines: list[str]) -> None:
+    """Every kept row of a JSONL file must be a JSON record; a damaged one refuses the resume, naming it."""
+    if path.suffix != ".jsonl":
+        return
+    for lineno, line in enumerate(lines, start=1):
+        try:
+            json.loads(line)
+        except ValueError:
+            raise ResumeError(
+                f"{path}:{lineno} is not a complete record ({line[:60]!r}...) but the checkpoint counts it;"
+                " the run directory changed after the checkpoint. Restore the file, or start a new run"
+                " (another --run-name)"
+            ) from None
 
 
 def truncate_to(run: RunDir, counts: dict[str, int]) -> None:
@@ -106,8 +129,21 @@ def truncate_to(run: RunDir, counts: dict[str, int]) -> None:
     for path in run.progress_files():
         lines = _lines(path)
         keep = counts.get(str(path.relative_to(run.root)), 0)
-        if len(lines) > keep:
-            atomic_write_text(path, "".join(lines[:keep]))
+        if not path.exists():
+            continue
+        _check_records(path, lines[:keep])
+        if path.stat().st_size != sum(len(line.encode("utf-8")) + 1 for line in lines[:keep]):
+            atomic_write_text(path, "".join(line + "\n" for line in lines[:keep]))  # rows past it, a torn tail
+
+
+def cut_back(run: RunDir, ckpt: Checkpoint | None) -> None:
+    """Before a resume writes: every progress/rollout file back to the checkpoint's rows, or, with no
+    checkpoint (a kill before the first one), back to nothing — the resumed run starts from step 0."""
+    if ckpt is None:
+        truncate_to(run, {})
+        run.iteration_rows.unlink(missing_ok=True)
+    else:
+        truncate_to(run, ckpt.rows)
 
 
 def record_iteration_rows(run: RunDir, iteration: int) -> None:
@@ -156,16 +192,18 @@ def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: dic
     payload = Checkpoint(
         state, summary, trainer.state_dict(), sampler.state_dict(), _rng_state(), row_counts(run)
     ).to_payload()
-    tmp = run.checkpoint.with_name(run.checkpoint.name + ".tmp")
+    run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    why = ""
     try:
-        run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
-        torch.save(payload, tmp)
-        with open(tmp, "rb") as fh:
-            os.fsync(fh.fileno())
-        os.replace(tmp, run.checkpoint)
-    except Exception as exc:  # noqa: BLE001 - torch reports a short write as RuntimeError("unexpected pos ...")
-        why = write_failure(tmp, exc)  # measured while the partial file still fills the disk
-        tmp.unlink(missing_ok=True)
+        with atomic_file(run.checkpoint) as fh:  # an exclusive temp file: a planted link is never followed
+            try:
+                torch.save(payload, fh)
+                fh.flush()
+            except Exception as exc:  # noqa: BLE001 - torch reports a short write as RuntimeError("unexpected pos")
+                why = write_failure(run.checkpoint_dir, exc)  # measured while the partial file still fills the disk
+                raise
+    except Exception as exc:  # noqa: BLE001 - any failure to write (fsync, rename included) gets one message
+        why = why or write_failure(run.checkpoint_dir, exc)
         kept = "the previous checkpoint is intact" if run.checkpoint.exists() else "no checkpoint was kept"
         raise ResumeError(
             f"could not write the checkpoint {run.checkpoint}: {why}; then resume with --resume ({kept})"
@@ -187,7 +225,7 @@ def load_checkpoint(run: RunDir) -> Checkpoint | None:
 
 def read_saved_config(run: RunDir) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(run.config.read_text(encoding="utf-8"))
+        data = load_yaml(run.config.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise ResumeError(f"{run.config} cannot be read ({exc}); the run directory is damaged") from None
     if not isinstance(data, dict):
@@ -208,7 +246,9 @@ class RunLock:
     """An exclusive lock on a run directory while a trainer writes it.
 
     ``flock`` on ``<run>/.lock``: a second trainer is refused; the kernel drops the lock
-    when its holder dies, so a lock left by a killed run is taken over silently.
+    when its holder dies, so a lock left by a killed run is taken over silently. The lock
+    file opens without following a link and must be a plain file (:func:`open_nofollow`);
+    once held, the run directory must hold no link at all (:func:`refuse_links`).
     """
 
     def __init__(self, run: RunDir) -> None:
@@ -217,7 +257,7 @@ class RunLock:
 
     def __enter__(self) -> RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+")  # noqa: SIM115 - held for the lock's lifetime
+        fh = os.fdopen(open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+")  # held for the lock's life
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -239,11 +279,16 @@ class RunLock:
             raise ResumeError(
                 f"cannot lock the run directory {self.path.parent} (flock on {self.path}: {exc.strerror}); {hint}"
             ) from None
+        self._fh = fh
+        try:
+            refuse_links(self.path.parent)
+        except BaseException:
+            self.__exit__()
+            raise
         fh.seek(0)
         fh.truncate()
         fh.write(f"pid {os.getpid()}\n")
         fh.flush()
-        self._fh = fh
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -43,6 +43,7 @@ from turnrl.train.checkpoint import (
     RunLock,
     RunState,
     check_resume_config,
+    cut_back,
     load_checkpoint,
     record_iteration_rows,
     restore_rng,
@@ -207,8 +208,8 @@ class Run:
 
     @rank0_only
     def _cut_back(self, start: Start) -> None:
-        if start.checkpoint is not None:
-            truncate_to(self.dir, start.checkpoint.rows)
+        if start.continued and start.start_iter is None:  # resume: to the checkpoint's rows, or a clean start
+            cut_back(self.dir, start.checkpoint)
         elif start.start_iter is not None and self.dir.config.exists():
             truncate_to(self.dir, rows_before_iteration(self.dir, start.start_iter))
         if start.start_iter is not None:  # the restarted iterations' rollouts are written again

@@ -99,7 +99,7 @@ def _action_from_json(obj: Any) -> Action | None:
     if isinstance(args, str):
         try:
             args = json.loads(args) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(args, dict):
         return None
