@@ -66,7 +66,8 @@ ALLOWED = {
     "sampling": {"types", "chat", "models"},
     "rollout": {"types", "chat", "credit", "envs", "sampling"},
     "models": {"config", "losses", "rundir"},
-    "config": {"losses", "sections", "bounded"},
+    "config": {"losses", "sections", "bounded", "configfile"},
+    "configfile": {"sections", "bounded"},
     "sections": {"bounded"},
 }
 

@@ -25,15 +25,8 @@ from pydantic import (
     model_validator,
 )
 
-from turnrl.bounded import (
-    MAX_NODES,
-    BoundedYAMLError,
-    InputTooLarge,
-    check_bounded,
-    load_yaml,
-    short_repr,
-    yaml_problem,
-)
+from turnrl.bounded import MAX_NODES, InputTooLarge, check_bounded, short_repr
+from turnrl.configfile import apply_overrides, read_config_data
 from turnrl.losses import MismatchConfig
 from turnrl.sections import ConfigError, located
 from turnrl.sections import PluginSection as _PluginSection
@@ -415,50 +408,6 @@ def _section_for(loc: tuple[Any, ...]) -> type[BaseModel] | None:
     return model
 
 
-def set_dotted(data: dict[str, Any], key: str, value: Any) -> None:
-    """Set the dotted key ``a.b.c`` of a nested dict to ``value``, creating sections on the way."""
-    parts = key.split(".")
-    if not all(parts):
-        raise ConfigError(f"{key!r} is not a dotted config key like 'loss.type'")
-    node = data
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{part!r} in {key!r} is not a section")
-    node[parts[-1]] = value
-
-
-MAX_OVERRIDE_BYTES = 64 << 10
-"""Longest ``--set`` value (64 KiB)."""
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply ``a.b.c=value`` overrides (values parsed as bounded YAML) to a nested dict.
-
-    Every failure names the override: a value that is not YAML, is too large, or a key that is not a section.
-    """
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"override {short_repr(item)} must look like key.sub=value")
-        try:
-            value = load_yaml(raw, max_bytes=MAX_OVERRIDE_BYTES)
-        except BoundedYAMLError as exc:
-            raise ConfigError(f"override {short_repr(item)}: the value is refused: {yaml_problem(exc)}") from None
-        except yaml.YAMLError as exc:
-            raise ConfigError(
-                f"override {short_repr(item)}: the value is not valid YAML ({yaml_problem(exc)});"
-                " quote a string, close brackets, e.g. --set 'train.steps=5'"
-            ) from None
-        except InputTooLarge as exc:
-            raise ConfigError(f"override {short_repr(item)}: the value is {exc}") from None
-        try:
-            set_dotted(data, key, value)
-        except ConfigError as exc:
-            raise ConfigError(f"override {short_repr(item)}: {exc}") from None
-    return data
-
-
 def parse_config(data: dict[str, Any], source: str = "") -> RunConfig:
     try:
         check_bounded(data, "the config", max_nodes=MAX_NODES)
@@ -467,32 +416,6 @@ def parse_config(data: dict[str, Any], source: str = "") -> RunConfig:
         raise ConfigError(_format_errors(exc, source)) from None
     except InputTooLarge as exc:
         raise ConfigError(f"invalid config {source}: {exc}") from None
-
-
-def read_config_data(path: str | Path) -> dict[str, Any]:
-    """The raw mapping of a YAML config file (not validated yet); every failure names the file."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        line = raw[: exc.start].count(b"\n") + 1
-        raise ConfigError(
-            f"{path}: not valid UTF-8 (byte {exc.start}, line {line}); save the config as UTF-8 text"
-        ) from None
-    try:
-        data = load_yaml(text) or {}
-    except BoundedYAMLError as exc:
-        raise ConfigError(f"{path}: {yaml_problem(exc)}") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {yaml_problem(exc)}") from None
-    except InputTooLarge as exc:
-        raise ConfigError(f"{path}: {exc}; a config is a small file") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return data
 
 
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:

@@ -32,7 +32,6 @@ import asyncio
 import copy
 import inspect
 import json
-import logging
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +42,7 @@ from typing import Any, Protocol
 from turnrl.chat import ChatTemplate
 from turnrl.credit.shaping import shaped_rewards
 from turnrl.envs import Env, make_env
+from turnrl.rollout.guard import guarded_step
 from turnrl.sampling.base import Sampler
 from turnrl.types import (
     Episode,
@@ -56,9 +56,6 @@ from turnrl.types import (
 )
 
 DEFAULT_ENV_WORKERS = 8
-_ERROR_CHARS = 500
-_log = logging.getLogger(__name__)
-_warned: set[tuple[str, str]] = set()
 
 
 class RolloutSection(Protocol):
@@ -209,65 +206,6 @@ def _gather(awaitables: list[Any]) -> list[Any]:
     worker.start()
     worker.join()
     return out
-
-
-def step_failure(env: Env, exc: Exception) -> StepResult:
-    """The result of a step that raised on the model's reply: the episode ends with the environment's
-    ``failure_reward`` (stop reason ``MALFORMED``, metric ``env_error``), the exception recorded."""
-    kind = type(exc).__name__
-    try:
-        detail = str(exc)[:_ERROR_CHARS]
-    except Exception:  # noqa: BLE001 - an exception whose message itself fails
-        detail = "(no message)"
-    if (type(env).__name__, kind) not in _warned:
-        _warned.add((type(env).__name__, kind))
-        _log.warning(
-            "environment %s raised %s on a model reply (%s); the episode ends with its failure reward %s."
-            " Environments should turn such replies into a malformed result themselves",
-            type(env).__name__,
-            kind,
-            detail,
-            env.failure_reward,
-        )
-    return StepResult(
-        [],
-        reward=float(env.failure_reward),
-        terminated=True,
-        stop_reason=StopReason.MALFORMED,
-        metrics={"env_error": 1.0},
-        error=f"{kind}: {detail}",
-    )
-
-
-def guarded_step(env: Env, text: str) -> Callable[[], Any]:
-    """The call that steps ``env`` on the reply ``text``, for :func:`run_concurrently`.
-
-    Any ``Exception`` from the step (or from awaiting an ``async`` one) becomes :func:`step_failure`;
-    ``BaseException`` (KeyboardInterrupt, SystemExit) passes.
-    """
-    step = env.step
-
-    async def guard_awaitable(awaitable: Any) -> Any:
-        try:
-            return await awaitable
-        except Exception as exc:  # noqa: BLE001 - the model's reply must not stop the run
-            return step_failure(env, exc)
-
-    if inspect.iscoroutinefunction(step):
-
-        async def run_async() -> Any:
-            return await guard_awaitable(step(text))
-
-        return run_async
-
-    def run() -> Any:
-        try:
-            out = step(text)
-        except Exception as exc:  # noqa: BLE001 - the model's reply must not stop the run
-            return step_failure(env, exc)
-        return guard_awaitable(out) if inspect.isawaitable(out) else out
-
-    return run
 
 
 def _key_json(env: Env) -> str | None:
