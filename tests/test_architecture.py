@@ -66,6 +66,7 @@ ALLOWED = {
     "models": {"config", "losses"},
     "config": {"losses", "sections"},
     "sections": set(),
+    "audit": {"types", "chat", "credit", "envs", "rollout", "sampling", "tasks", "eval", "config", "models"},
 }
 
 
