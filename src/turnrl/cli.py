@@ -228,9 +228,7 @@ def credit_audit_(
     continuations: Annotated[int, typer.Option(help="Monte-Carlo rollouts M per value estimate.")] = 8,
     leaves: Annotated[int, typer.Option(help="Sampled leaves per task for every estimator.")] = 8,
     repeats: Annotated[int, typer.Option(help="Independent estimator batches R.")] = 4,
-    shapes: Annotated[
-        str | None, typer.Option(help="Branched shapes G1xG2 (product = leaves), e.g. 2x4.")
-    ] = None,
+    shapes: Annotated[str | None, typer.Option(help="Branched shapes G1xG2 (product = leaves), e.g. 2x4.")] = None,
     gamma: Annotated[float, typer.Option(help="Discount of the return A* is defined on.")] = 1.0,
     split: Annotated[str, typer.Option(help="Task split: train or eval.")] = "train",
     num_tasks: Annotated[int | None, typer.Option(help="Use the first N tasks of the split.")] = None,
