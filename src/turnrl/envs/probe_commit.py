@@ -4,10 +4,12 @@ A machine has a hidden best setting s* (a whole number 1..9) for one named quant
 ``speed``. Three gauges can be read, one per quantity; only the gauge named like the target
 shows s*, the others show unrelated numbers. Two turns, reward only at the end:
 
-1. probe: ``<probe>NAME</probe>`` reads gauge NAME (``<probe>none</probe>`` or anything else
-   reads nothing; the observation says what was read). A first reply that is already an
-   ``<answer>N</answer>`` commits blind and ends the game.
-2. commit: ``<answer>N</answer>`` with N in 1..9 (the last tag counts).
+1. probe: ``<probe>NAME</probe>`` reads gauge NAME. Parsing is lenient (the format is not what
+   this task tests): without a probe tag, the first of this machine's gauge names the reply
+   mentions is read; a reply naming none reads nothing (the observation says what was read). A
+   first reply that names no gauge but holds ``<answer>N</answer>`` commits blind and ends the game.
+2. commit: ``<answer>N</answer>`` with N in 1..9 (the last tag counts); without a tag, the last
+   whole number of the reply.
 
 Reward of a commit N: ``1 − |N − s*| / 8`` (1.0 exactly right, ≥ 0 anywhere in range);
 success = N = s*. A missing or out-of-range answer is malformed: reward ``MALFORMED_REWARD``
@@ -36,25 +38,36 @@ LOW, HIGH = 1, 9
 MALFORMED_REWARD = -0.5
 TRAIN_WORDS = ("speed", "heat", "flow", "pressure", "volume", "weight", "light", "noise", "depth", "spin")
 EVAL_WORDS = ("torque", "voltage", "height", "salt", "wind", "glow")
-EXAMPLE = {"target": "width", "gauges": ["color", "width", "age"], "readings": {"color": 2, "width": 6, "age": 8}}
-"""The worked example game of the prompt (its words are in neither pool)."""
+EXAMPLES = (
+    {"target": "width", "gauges": ["color", "width", "age"], "readings": {"color": 2, "width": 6, "age": 8}},
+    {"target": "size", "gauges": ["size", "smell", "taste"], "readings": {"size": 3, "smell": 9, "taste": 4}},
+)
+"""The worked example games of the prompt (their words are in neither pool)."""
 FILE_NAMES = {"train": "probe_commit_train.jsonl", "eval": "probe_commit_eval.jsonl"}
 TASKS_PER_SPLIT = {"train": 45, "eval": 27}
 
 _PROBE_RE = re.compile(r"<probe>\s*([A-Za-z_]+)\s*</probe>", re.IGNORECASE)
-_ANSWER_RE = re.compile(r"<answer>\s*([+-]?\d{1,9})\s*</answer>", re.IGNORECASE)
+_ANSWER_RE = re.compile(r"<answer>\s*([+-]?\d{1,9})\.?\s*</answer>", re.IGNORECASE)
+_NUMBER_RE = re.compile(r"(?<![\w.])\d{1,9}(?![\w.])")
 
 
-def parse_probe(text: str) -> str | None:
-    """The gauge name in the last ``<probe>NAME</probe>`` (lowercased), or None."""
-    found = _PROBE_RE.findall(text)
-    return found[-1].lower() if found else None
+def parse_probe(text: str, gauges: list[str]) -> str | None:
+    """The gauge read: the name in the last ``<probe>NAME</probe>`` when it is one of ``gauges``,
+    else the gauge name mentioned first in the reply (whole words, any case), else None."""
+    found = [f.lower() for f in _PROBE_RE.findall(text)]
+    if found and found[-1] in gauges:
+        return found[-1]
+    hits = [(m.start(), g) for g in gauges if (m := re.search(rf"\b{re.escape(g)}\b", text, re.IGNORECASE))]
+    return min(hits)[1] if hits else None
 
 
-def parse_answer(text: str) -> int | None:
-    """The integer in the last ``<answer>N</answer>``, or None."""
+def parse_answer(text: str, lenient: bool = True) -> int | None:
+    """The integer in the last ``<answer>N</answer>``; else (``lenient``) the reply's last whole number; else None."""
     found = _ANSWER_RE.findall(text)
-    return int(found[-1]) if found else None
+    if found:
+        return int(found[-1])
+    numbers = _NUMBER_RE.findall(text) if lenient else []
+    return int(numbers[-1]) if numbers else None
 
 
 def commit_reward(answer: int, best: int) -> float:
@@ -110,14 +123,18 @@ class ProbeCommitEnv(Env):
     def initial_messages(self) -> list[Message]:
         messages: list[Message] = [{"role": "system", "content": _system()}]
         if self.few_shot:
-            ex = EXAMPLE
-            messages += [
-                {"role": "user", "content": "Example game. " + _question(ex["target"], ex["gauges"])},
-                {"role": "assistant", "content": f"<probe>{ex['target']}</probe>"},
-                {"role": "user", "content": _reading(ex["target"], ex["readings"])},
-                {"role": "assistant", "content": f"<answer>{ex['readings'][ex['target']]}</answer>"},
-                {"role": "user", "content": "Score 1.0: that was the best setting. Now a new game with a new machine."},
-            ]
+            for n, ex in enumerate(EXAMPLES):
+                intro = "Example game. " if n == 0 else ""
+                messages += [
+                    {"role": "user", "content": intro + _question(ex["target"], ex["gauges"])},
+                    {"role": "assistant", "content": f"<probe>{ex['target']}</probe>"},
+                    {"role": "user", "content": _reading(ex["target"], ex["readings"])},
+                    {"role": "assistant", "content": f"<answer>{ex['readings'][ex['target']]}</answer>"},
+                    {
+                        "role": "user",
+                        "content": "Score 1.0: that was the best setting. Now a new game with a new machine.",
+                    },
+                ]
         messages.append({"role": "user", "content": _question(self.target, self.gauges)})
         return messages
 
@@ -131,10 +148,9 @@ class ProbeCommitEnv(Env):
         text = action_text if isinstance(action_text, str) else ""
         self.turn += 1
         if self.turn == 1:
-            probe = parse_probe(text)
-            if probe is None and parse_answer(text) is not None:
+            self.probed = parse_probe(text, self.gauges)
+            if self.probed is None and parse_answer(text, lenient=False) is not None:
                 return self._commit(text)  # a blind commit on the first reply
-            self.probed = probe if probe in self.readings else None
             return StepResult(
                 [{"role": "user", "content": _reading(self.probed, self.readings)}],
                 metrics={"probed_target": float(self.probed == self.target), "probed_any": float(bool(self.probed))},
