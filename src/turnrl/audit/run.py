@@ -77,7 +77,7 @@ def run_audit(rollouts: Rollouts, tasks, settings: AuditSettings, arms: list[Est
     estimators = {a.label: audit_metrics(ahat[a.label], truth.a_star, truth.se, truth.turn) for a in arms}
     abs_a = np.abs(truth.a_star)
     return {
-        "settings": {**asdict(settings), "shapes": [list(s) for s in settings.shapes or []]},
+        "settings": {**asdict(settings), "shapes": [list(a.shape) for a in arms if a.shape is not None]},
         "arms": [asdict(a) for a in arms],
         "ground_truth": {
             "turns": truth.rows(),
