@@ -69,6 +69,7 @@ ALLOWED = {
     "config": {"losses", "sections", "bounded", "configfile"},
     "configfile": {"sections", "bounded"},
     "sections": {"bounded"},
+    "audit": {"types", "chat", "credit", "envs", "rollout", "sampling", "tasks", "eval", "config", "models"},
 }
 
 
@@ -123,9 +124,10 @@ def test_a_plugin_kind_is_found_without_hasattr():
 # The run object and what drives it: the only code that reads the whole run config. Every stage below it
 # takes its own settings (a frozen type with a ``from_config`` that reads only its keys).
 RUN_LEVEL = {"turnrl.config", "turnrl.cli", "turnrl.export", "turnrl.train.run", "turnrl.train.loop"}
-RUN_LEVEL_PREFIXES = ("turnrl.experiments",)
+RUN_LEVEL_PREFIXES = ("turnrl.experiments", "turnrl.audit")
 ENTRY_POINTS = {
     ("turnrl.eval", "run_eval"),  # standalone `turnrl eval`: builds its own settings from the config
+    ("turnrl.eval", "policy_sampler"),  # the policy of `turnrl eval` and `turnrl credit-audit`
     ("turnrl.train.checkpoint", "check_resume_config"),  # the run's resume check, called by Run.prepare
 }
 

@@ -142,3 +142,46 @@ def test_gigpo_run_logs_the_anchor_fraction(tmp_path):
     (row,) = read_csv(tmp_path / "gigpo" / "progress" / "train.csv")
     # the random model's first replies all act from the opening interval (1, 20), 3 per group
     assert 0.0 < row["gigpo/anchor_frac"] <= 1.0
+
+
+def test_gigpo_per_step_episode_stats_follow_verl_agents_rule():
+    """verl-agent's default (compute_mean_std_cross_all_data=True, ε = 1e-6), by hand.
+
+    Group g: e1 (keys A, B; rewards 0, 1; R = 1), e2 (A; 0; R = 0), e3 (A, B, C; 0, 0, 0; R = 0).
+    Episode level over the 6 step rows [1, 1, 0, 0, 0, 0]: μ = 1/3, σ² = (2·(2/3)² + 4·(1/3)²)/5 = 4/15
+    (per trajectory it would be [1, 0, 0]: σ² = 1/3). Step level, γ = 0.5: returns e1 (0.5, 1), e2 (0),
+    e3 (0, 0, 0); anchor A = {0.5, 0, 0} (mean 1/6, σ² = 1/12), B = {1, 0} (mean 1/2, σ² = 1/2), C alone → 0.
+    Group h is one episode of one turn: verl-agent's single row has μ = 0, σ = 1, so A^E = R / (1 + ε).
+    """
+    eps = [
+        _ep("e1", "g", ["A", "B"], [0.0, 1.0]),
+        _ep("e2", "g", ["A"], [0.0]),
+        _ep("e3", "g", ["A", "B", "C"], [0.0, 0.0, 0.0]),
+        _ep("h1", "h", ["A"], [5.0]),
+    ]
+    e = 1e-6
+    params = GigpoParams(episode_stats="per_step", std_eps=e, gamma=0.5, step_norm="mean_std", scale="group")
+    res = gigpo_advantages(eps, params)
+    sig = math.sqrt(4 / 15)
+    hi, lo = (2 / 3) / (sig + e), (-1 / 3) / (sig + e)
+    a_hi, a_lo = (1 / 3) / (math.sqrt(1 / 12) + e), (-1 / 6) / (math.sqrt(1 / 12) + e)
+    b = 0.5 / (math.sqrt(0.5) + e)
+    assert res.advantages["e1"] == pytest.approx([hi + a_hi, hi + b], rel=1e-12)
+    assert res.advantages["e2"] == pytest.approx([lo + a_lo], rel=1e-12)
+    assert res.advantages["e3"] == pytest.approx([lo + a_lo, lo - b, lo], rel=1e-12)
+    assert res.advantages["h1"] == pytest.approx([5.0 / (1 + e)], rel=1e-12)
+    # the default (per trajectory, the paper) differs: σ over [1, 0, 0] and a lone episode gets 0
+    default = gigpo_advantages(eps, GigpoParams(gamma=0.5, std_eps=e))
+    assert default.advantages["e1"][0] == pytest.approx((2 / 3) / (math.sqrt(1 / 3) + 1e-4) + a_hi, rel=1e-12)
+    assert default.advantages["h1"] == [0.0]
+    # scale none (verl-agent's mean_norm): R − μ with μ over rows
+    plain = gigpo_advantages(eps, GigpoParams(episode_stats="per_step", scale="none", step_norm="mean", gamma=0.5))
+    assert plain.advantages["e2"] == pytest.approx([-1 / 3 - 1 / 6])
+
+
+def test_gigpo_per_step_refuses_batch_scale_and_trees():
+    with pytest.raises(ConfigError, match="per_step"):
+        parse_config({"credit": {"estimator": "gigpo", "episode_stats": "per_step", "scale": "batch"}})
+    tree = [_ep(f"l{a}{b}", "t", ["S", "X"], [0.0, 1.0], branch=(a, b)) for a in (0, 1) for b in (0, 1)]
+    with pytest.raises(ValueError, match="flat groups"):
+        gigpo_advantages(tree, GigpoParams(episode_stats="per_step"))

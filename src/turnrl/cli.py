@@ -244,6 +244,37 @@ def eval_(
         _fail(exc)
 
 
+@app.command("credit-audit")
+def credit_audit_(
+    config: ConfigArg,
+    adapter: Annotated[Path | None, typer.Option(help="Audit a saved peft adapter instead of the base.")] = None,
+    scripted: Annotated[str | None, typer.Option(help="Audit a scripted policy of the environment.")] = None,
+    episodes: Annotated[int, typer.Option(help="Audited episodes N (tasks in turn).")] = 8,
+    continuations: Annotated[int, typer.Option(help="Monte-Carlo rollouts M per value estimate.")] = 8,
+    leaves: Annotated[int, typer.Option(help="Sampled leaves per task for every estimator.")] = 8,
+    repeats: Annotated[int, typer.Option(help="Independent estimator batches R.")] = 4,
+    shapes: Annotated[str | None, typer.Option(help="Branched shapes G1xG2 (product = leaves), e.g. 2x4.")] = None,
+    gamma: Annotated[float, typer.Option(help="Discount of the return A* is defined on.")] = 1.0,
+    split: Annotated[str, typer.Option(help="Task split: train or eval.")] = "train",
+    num_tasks: Annotated[int | None, typer.Option(help="Use the first N tasks of the split.")] = None,
+    out: Annotated[Path, typer.Option(help="Directory for credit_audit.json and credit_audit.png.")] = Path(
+        "credit_audit"
+    ),
+    set_: SetOpt = None,
+) -> None:
+    """How right each credit estimator is, per turn, against Monte-Carlo A* = Q − V (docs/algorithms.md)."""
+    try:
+        from turnrl.audit.run import AuditSettings, credit_audit, parse_shapes
+
+        cfg = _load(config, set_)
+        settings = AuditSettings(
+            episodes, continuations, leaves, repeats, gamma, split, parse_shapes(shapes), num_tasks
+        )
+        credit_audit(cfg, settings, out, console, adapter=adapter, scripted=scripted)
+    except _user_errors() as exc:
+        _fail(exc)
+
+
 @tasks_app.command("build")
 def tasks_build(
     family: Annotated[str, typer.Argument(help="Task family: slosh.")],

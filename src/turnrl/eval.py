@@ -168,39 +168,14 @@ def run_eval(
     import csv
     from pathlib import Path
 
-    from turnrl.models import load_adapter, load_model, load_tokenizer, merge_adapters
-    from turnrl.rundir import RunDir
-    from turnrl.sampling import SamplerSettings, make_sampler
-    from turnrl.sampling.scripted import ScriptedSampler
-
     settings = EvalSettings.from_config(cfg)
     if max_turns is not None:
         settings = replace(settings, rollout=replace(settings.rollout, max_turns=max_turns))
-    env_cls = envs.get_env_class(cfg.env.name)
     source = TaskSource.from_config(cfg)
     task_list = envs.tasks_from_file(cfg.env.name, tasks, "eval") if tasks is not None else source.tasks("eval")
-    if scripted:
-        policies = env_cls.scripted_policies()
-        if scripted not in policies:
-            raise ValueError(
-                f"environment {cfg.env.name!r} has no scripted policy {scripted!r}; available: {sorted(policies)}"
-            )
-        tokenizer = load_tokenizer(cfg.model.name)
-        sampler = ScriptedSampler(policies[scripted], tokenizer)
-        label = f"scripted:{scripted}"
-    else:
-        model, tokenizer = load_model(cfg.model, seed=cfg.seed)
-        label = "base"
-        if iteration is not None:
-            if run_dir is None:
-                raise ValueError("--iteration needs --run-dir (the run whose adapters to merge)")
-            dirs = RunDir(Path(run_dir)).adapters_through(iteration, purpose=f"--iteration {iteration}")
-            model = merge_adapters(model, dirs)
-            label = f"iteration {iteration}"
-        if adapter is not None:
-            model = load_adapter(model, adapter)
-            label = f"adapter {adapter}"
-        sampler = make_sampler(SamplerSettings.from_config(cfg.sampler), model, tokenizer, stale=False)
+    sampler, tokenizer, label = policy_sampler(
+        cfg, adapter=adapter, run_dir=run_dir, iteration=iteration, scripted=scripted
+    )
     chat = ChatTemplate(tokenizer, cfg.model.chat_template_kwargs)
     result = evaluate(task_list, sampler, chat, settings, seed=cfg.seed)
     console.print(comparison_table({label: result.metrics}, f"evaluation on {len(task_list)} tasks"))
@@ -214,3 +189,36 @@ def run_eval(
                 writer.writeheader()
             writer.writerow({"label": label, **result.metrics})
     return result.metrics
+
+
+def policy_sampler(cfg: RunConfig, *, adapter=None, run_dir=None, iteration: int | None = None, scripted=None):
+    """The policy to evaluate or audit as (sampler, tokenizer, label): the config's base model, with
+    the merged adapters of ``iteration`` of ``run_dir`` and/or one ``adapter``, or the environment's
+    scripted policy ``scripted``."""
+    from pathlib import Path
+
+    from turnrl.models import load_adapter, load_model, load_tokenizer, merge_adapters
+    from turnrl.rundir import RunDir
+    from turnrl.sampling import SamplerSettings, make_sampler
+    from turnrl.sampling.scripted import ScriptedSampler
+
+    if scripted:
+        policies = envs.get_env_class(cfg.env.name).scripted_policies()
+        if scripted not in policies:
+            raise ValueError(
+                f"environment {cfg.env.name!r} has no scripted policy {scripted!r}; available: {sorted(policies)}"
+            )
+        tokenizer = load_tokenizer(cfg.model.name)
+        return ScriptedSampler(policies[scripted], tokenizer), tokenizer, f"scripted:{scripted}"
+    model, tokenizer = load_model(cfg.model, seed=cfg.seed)
+    label = "base"
+    if iteration is not None:
+        if run_dir is None:
+            raise ValueError("--iteration needs --run-dir (the run whose adapters to merge)")
+        dirs = RunDir(Path(run_dir)).adapters_through(iteration, purpose=f"--iteration {iteration}")
+        model = merge_adapters(model, dirs)
+        label = f"iteration {iteration}"
+    if adapter is not None:
+        model = load_adapter(model, adapter)
+        label = f"adapter {adapter}"
+    return make_sampler(SamplerSettings.from_config(cfg.sampler), model, tokenizer, stale=False), tokenizer, label

@@ -11,6 +11,18 @@ that act from the same environment state: the anchor state ``s`` is
     A^S_{i,t} = (R_t^i − mean_{G(g,s)} R) / F,            F = 1 (``mean``) or std_{G(g,s)}(R) + 1e-4 (``mean_std``)
     A_{i,t}   = A^E(τ_i) + ω · A^S_{i,t}
 
+``episode_stats`` says what the episode level's mean and std run over. ``per_trajectory`` (the
+paper's Eq. 3, the default): each episode once, ``group_mean``. ``per_step`` (verl-agent's
+shipped default, ``compute_mean_std_cross_all_data=True``): every *turn row* carries its
+episode's R, and the group's mean and unbiased std run over the rows, so an episode of T turns
+counts T times:
+
+    μ = Σ_i T_i R_i / Σ_i T_i,   σ = sqrt(Σ_i T_i (R_i − μ)² / (Σ_i T_i − 1)),   A^E_i = (R_i − μ) / (σ + ε)
+
+(``scale: none``: A^E_i = R_i − μ); a group of a single row keeps verl-agent's μ = 0, σ = 1.
+``std_eps`` is ε of the step level and of ``per_step``'s episode level (1e-4 here, verl-agent
+1e-6); ``per_trajectory``'s episode level is ``group_mean``'s (ε = 1e-4).
+
 A turn without a key, or alone in its anchor group, or in a group whose returns
 are all equal, gets A^S = 0. On trees a shared prefix turn is one member of its
 anchor group (its return: the mean over the leaves below it) and is trained
@@ -25,23 +37,24 @@ from collections.abc import Hashable, Sequence
 from typing import Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from turnrl.credit.branched import branched_credit
 from turnrl.credit.group import GroupMeanParams, group_mean
-from turnrl.credit.result import STD_EPS, CreditResult, EstimatorSpec, all_equal, sample_std
+from turnrl.credit.result import STD_EPS, CreditResult, EstimatorSpec, all_equal, group_indices, sample_std
 from turnrl.credit.returns import discounted_return
 from turnrl.types import Episode
 
 StepNorm = Literal["mean", "mean_std"]
+EpisodeStats = Literal["per_trajectory", "per_step"]
 
 
 def anchor_advantages(
-    returns: Sequence[float], anchors: Sequence[Hashable | None], norm: StepNorm = "mean_std"
+    returns: Sequence[float], anchors: Sequence[Hashable | None], norm: StepNorm = "mean_std", eps: float = STD_EPS
 ) -> np.ndarray:
     """A^S_j = (R_j − mean_{G(j)} R) / F with G(j) = {k : anchors[k] == anchors[j]} (None = no anchor → 0).
 
-    ``norm``: ``mean`` F = 1; ``mean_std`` F = std_G(R) (unbiased) + 1e-4. A group of one,
+    ``norm``: ``mean`` F = 1; ``mean_std`` F = std_G(R) (unbiased) + ``eps``. A group of one,
     or one whose returns are all equal, gives exactly 0.
     """
     r = np.asarray(returns, dtype=float)
@@ -58,7 +71,7 @@ def anchor_advantages(
         x = r[idx]
         if len(idx) < 2 or all_equal(x):
             continue
-        f = sample_std(x) + STD_EPS if norm == "mean_std" else 1.0
+        f = sample_std(x) + eps if norm == "mean_std" else 1.0
         out[idx] = (x - x.mean()) / f
     return out
 
@@ -72,6 +85,37 @@ class GigpoParams(GroupMeanParams):
     """Step-level normalisation: ``mean`` (R − mean) or ``mean_std`` ((R − mean) / std)."""
     gamma: float = Field(0.95, ge=0, le=1)
     """Discount γ of the return from a turn."""
+    episode_stats: EpisodeStats = "per_trajectory"
+    """Episode-level mean/std over episodes (``per_trajectory``, the paper) or over turn rows
+    (``per_step``, verl-agent's default); flat groups only."""
+    std_eps: float = Field(STD_EPS, gt=0)
+    """ε added to a std before dividing: step level, and episode level with ``per_step`` (verl-agent: 1e-6)."""
+
+    @model_validator(mode="after")
+    def _per_step_scale(self) -> GigpoParams:
+        if self.episode_stats == "per_step" and self.scale == "batch":
+            raise ValueError("episode_stats: per_step takes scale group or none (verl-agent has no batch scale)")
+        return self
+
+
+def per_step_episode_advantages(
+    rewards: Sequence[float], turns: Sequence[int], group_ids: Sequence[str], scale: str, eps: float
+) -> np.ndarray:
+    """verl-agent's episode level with statistics over step rows (see the module doc).
+
+    Episode i of ``turns[i]`` rows contributes R_i ``turns[i]`` times to its group's mean and
+    unbiased std; a group of a single row has μ = 0, σ = 1. ``scale``: ``group`` divides by
+    σ + ε, ``none`` does not.
+    """
+    if scale not in ("group", "none"):
+        raise ValueError(f"gigpo episode_stats per_step supports scale group or none (got {scale!r})")
+    r = np.asarray(rewards, dtype=float)
+    adv = np.zeros_like(r)
+    for idx in group_indices(list(group_ids)).values():
+        rows = np.repeat(r[idx], [turns[i] for i in idx])
+        mu, sigma = (0.0, 1.0) if rows.size <= 1 else (float(rows.mean()), sample_std(rows))
+        adv[idx] = (r[idx] - mu) / (sigma + eps) if scale == "group" else r[idx] - mu
+    return adv
 
 
 def _units(episodes: list[Episode], gamma: float):
@@ -97,7 +141,19 @@ def gigpo_advantages(episodes: list[Episode], cfg: GigpoParams) -> CreditResult:
     ``gigpo/anchor_group_size`` (mean size of the anchor group a keyed turn is in) and
     ``gigpo/step_adv_abs`` (mean |A^S| over turns)."""
     tree = any(e.branch for e in episodes)
-    if tree:
+    if tree and cfg.episode_stats == "per_step":
+        raise ValueError("gigpo episode_stats: per_step applies to flat groups; trees use the branched node values")
+    if cfg.episode_stats == "per_step":
+        adv = per_step_episode_advantages(
+            [e.reward for e in episodes],
+            [e.num_turns for e in episodes],
+            [e.group_id for e in episodes],
+            cfg.scale,
+            cfg.std_eps,
+        )
+        episode_level = {e.episode_id: [float(a)] * e.num_turns for e, a in zip(episodes, adv, strict=True)}
+        metrics = {}
+    elif tree:
         base = branched_credit(episodes, cfg)
         episode_level, metrics = base.advantages, dict(base.metrics)
     else:
@@ -108,7 +164,7 @@ def gigpo_advantages(episodes: list[Episode], cfg: GigpoParams) -> CreditResult:
     units, of_turn = _units(episodes, cfg.gamma)
     keys = list(units)
     anchors = [units[u][0] for u in keys]
-    step = anchor_advantages([float(np.mean(units[u][1])) for u in keys], anchors, cfg.step_norm)
+    step = anchor_advantages([float(np.mean(units[u][1])) for u in keys], anchors, cfg.step_norm, cfg.std_eps)
     step_of = dict(zip(keys, step, strict=True))
 
     advantages: dict[str, list[float | None]] = {}

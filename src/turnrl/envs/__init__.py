@@ -24,6 +24,7 @@ ENV_REGISTRY: dict[str, str | type[Env]] = {
     "math": "turnrl.envs.math:MathEnv",
     "key_door": "turnrl.envs.key_door:KeyDoorEnv",
     "key_door_tools": "turnrl.envs.key_door.env:KeyDoorToolsEnv",
+    "probe_commit": "turnrl.envs.probe_commit:ProbeCommitEnv",
 }
 
 
