@@ -16,7 +16,7 @@ import pytest
 from test_fuzz_envs import FuzzSampler, _tasks
 from turnrl.chat import ChatTemplate, plain_ids, render_ids, special_strings
 from turnrl.envs import ENV_REGISTRY, get_env_class, make_env, register_env
-from turnrl.rollout.collect import collect
+from turnrl.rollout.collect import RolloutSettings, collect
 from turnrl.types import SamplingParams
 
 # a template of another shape (role and content on one line, the end-of-text token as a separator)
@@ -87,7 +87,9 @@ def test_env_text_cannot_forge_control_tokens(name, template, tokenizer):
     chat = ChatTemplate(tokenizer, TEMPLATES[template])
     try:
         runs = {
-            kind: collect([t], FuzzSampler([reply], tokenizer), chat, SamplingParams(), [1], max_turns=2)[0]
+            kind: collect(
+                [t], FuzzSampler([reply], tokenizer), chat, SamplingParams(), [1], RolloutSettings(max_turns=2)
+            )[0]
             for kind, t in (("plain", task), ("injected", replace(task, env=f"inject_{name}")))
         }
     finally:

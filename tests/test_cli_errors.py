@@ -246,7 +246,7 @@ def test_real_full_disk_while_writing_a_checkpoint_says_so(small_fs):
     text = str(err.value)
     assert "state.pt" in text and "is full" in text and "previous checkpoint is intact" in text, text
     assert not list(run.checkpoint_dir.glob("*.tmp"))
-    assert load_checkpoint(run)["state"]["step"] == 1
+    assert load_checkpoint(run).state.step == 1
 
 
 def test_real_full_disk_in_a_run_names_the_file_and_the_disk(tmp_path, small_fs):

@@ -15,7 +15,7 @@ import pytest
 
 from turnrl.chat import ChatTemplate
 from turnrl.envs import ENV_REGISTRY, Env, StepResult, StopReason, Task, get_env_class, make_env, register_env
-from turnrl.rollout.collect import collect
+from turnrl.rollout.collect import RolloutSettings, collect
 from turnrl.types import Sample, SamplingParams
 
 DEEP = 20_000
@@ -163,7 +163,7 @@ def test_no_reply_escapes_the_collector(name, tokenizer):
     task = _tasks(name)[0]
     replies = ADVERSARIAL + _random_replies(seed=len(name), n=30)
     episodes = collect([task] * len(replies), FuzzSampler(replies, tokenizer), ChatTemplate(tokenizer),
-                       SamplingParams(max_tokens=8), [1], max_turns=MAX_TURNS)  # fmt: skip
+                       SamplingParams(max_tokens=8), [1], RolloutSettings(max_turns=MAX_TURNS))  # fmt: skip
     assert len(episodes) == len(replies)
     failure = get_env_class(name).failure_reward
     for k, (ep, reply) in enumerate(zip(episodes, replies, strict=True)):
@@ -193,7 +193,7 @@ def test_deeply_nested_calls_are_malformed_replies_not_errors(name, reply, token
     env.initial_messages()
     direct = env.step(reply)  # the environment handles it itself: no guard needed
     (ep,) = collect([task], FuzzSampler([reply], tokenizer), ChatTemplate(tokenizer), SamplingParams(), [1],
-                    max_turns=1)  # fmt: skip
+                    RolloutSettings(max_turns=1))  # fmt: skip
     assert "env_error" not in ep.metrics
     if name == "key_door_tools":
         assert direct.stop_reason == ep.stop_reason == StopReason.MALFORMED and ep.reward == 0.0
@@ -202,14 +202,14 @@ def test_deeply_nested_calls_are_malformed_replies_not_errors(name, reply, token
 
 
 def test_a_raising_step_is_logged_once_per_env_and_type(tokenizer, caplog, monkeypatch):
-    from turnrl.rollout import collect as module
+    from turnrl.rollout import guard as module
 
     monkeypatch.setattr(module, "_warned", set())  # the warning is once per process: start afresh
     saved = dict(ENV_REGISTRY)
     register_env(_Raises.name, _Raises)
     try:
         tasks = [Task(f"t{k}", _Raises.name, {}) for k in range(3)]
-        with caplog.at_level(logging.WARNING, logger="turnrl.rollout.collect"):
+        with caplog.at_level(logging.WARNING, logger="turnrl.rollout.guard"):
             collect(tasks, FuzzSampler(["x"] * 3, tokenizer), ChatTemplate(tokenizer), SamplingParams(), [1])
     finally:
         ENV_REGISTRY.clear()

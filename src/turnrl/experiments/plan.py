@@ -17,14 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from turnrl.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    parse_config,
-    read_config_data,
-    set_dotted,
-)
+from turnrl.config import ConfigError, RunConfig, parse_config
+from turnrl.configfile import apply_overrides, read_config_data, set_dotted
 from turnrl.experiments.spec import (
     ExperimentError,
     ExperimentSpec,
