@@ -284,14 +284,22 @@ def test_vllm_follows_the_trainers_lora(engine, report_line):
 @pytest.mark.vllm
 @needs_vllm
 def test_a_branched_tree_through_the_prefix_cache(engine, report_line):
-    """G1 × G2 = 2 × 2 trees of a 3-turn game: the second-turn contexts share the trunk, which vLLM's prefix cache
-    holds; the sampled log-probs still equal the trainer's on every turn."""
+    """G1 × G2 = 2 × 2 trees of a 3-turn game with a long system prompt: each later turn's context extends an earlier
+    one, whose KV blocks vLLM's prefix cache holds; the sampled log-probs still equal the trainer's on every turn."""
     from toy_envs import CountEnv
     from turnrl.chat import ChatTemplate
     from turnrl.envs import register_env
     from turnrl.rollout.collect import collect
+    from turnrl.types import Sample
 
-    register_env("count", CountEnv)
+    class LongCountEnv(CountEnv):
+        name = "long_count"
+
+        def initial_messages(self):
+            rules = " ".join(f"Rule {i}: answer in one short line." for i in range(80))  # several KV blocks
+            return [{"role": "system", "content": rules}, {"role": "user", "content": f"Task {self.task.params['k']}"}]
+
+    register_env("long_count", LongCountEnv)
     model, tok, sampler = engine
     llm = sampler.llm
     seen: list[tuple[list[int], list[int], list[float], int]] = []
@@ -307,7 +315,7 @@ def test_a_branched_tree_through_the_prefix_cache(engine, report_line):
 
     llm.generate = recording
     try:
-        tasks = CountEnv.default_tasks("train")[:2]
+        tasks = [t.__class__(t.task_id, "long_count", t.params, t.split) for t in CountEnv.default_tasks("train")[:2]]
         episodes = collect(tasks, sampler, ChatTemplate(tok), SamplingParams(max_tokens=8, seed=3), [2, 2])
     finally:
         del llm.generate
@@ -317,18 +325,19 @@ def test_a_branched_tree_through_the_prefix_cache(engine, report_line):
         for i in range(2):
             twins = [e for e in leaves if e.branch[0] == i]
             assert len(twins) == 2 and twins[0].turns[0].action_ids == twins[1].turns[0].action_ids
-    later = [(ctx, cached) for ctx, _, _, cached in seen[2:]]  # after the first turn of the 2 trees
-    assert later and all(cached > 0 for _, cached in later)
+    first_len = min(len(ctx) for ctx, *_ in seen)
+    later = [(ctx, cached) for ctx, _, _, cached in seen if len(ctx) > first_len + 2]  # turns 2 and 3
+    block = llm.llm_engine.vllm_config.cache_config.block_size
+    assert first_len > 2 * block, (first_len, block)  # the trunk fills whole blocks, which the cache can hold
+    assert later and all(cached >= block for _, cached in later), [c for _, c in later]
     cached_frac = sum(c for _, c in later) / sum(len(ctx) for ctx, _ in later)
-    from turnrl.types import Sample
-
     contexts = [ctx for ctx, ids, _, _ in seen if ids]
     samples = [Sample(ids, [min(x, 0.0) for x in lps], "stop") for _, ids, lps, _ in seen if ids]
     trainer, behaviour = _trainer_logprobs(model, tok, contexts, samples, 1.0)
     gap = (trainer - behaviour).abs()
     report_line(
-        f"vLLM branched tree: {len(seen)} requests, {cached_frac:.0%} of later prompt tokens from the prefix cache;"
-        f" |vLLM - trainer| max {gap.max():.2e} over {gap.numel()} tokens"
+        f"vLLM branched tree: {len(seen)} requests; later turns took {cached_frac:.0%} of their prompt tokens from"
+        f" the prefix cache (block {block}); |vLLM - trainer| max {gap.max():.2e} over {gap.numel()} tokens"
     )
     assert gap.max() < AGREE_MAX
 
