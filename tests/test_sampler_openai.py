@@ -327,11 +327,12 @@ def _vllm_serve_command(model_dir: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def vllm_url(tmp_path_factory):
-    """``vllm serve`` of the embedded model on a loopback port, LoRA loadable at run time; killed at the end."""
+    """``vllm serve`` of the embedded model (or ``$TURNRL_GPU_MODEL``) on a loopback port, LoRA loadable at run time;
+    killed at the end."""
     import torch as _torch
 
     port = _free_port()
-    args = _vllm_serve_command(str(embedded_model_dir()))
+    args = _vllm_serve_command(os.environ.get("TURNRL_GPU_MODEL") or str(embedded_model_dir()))
     args += ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smollm2", "--dtype", "float32"]
     args += ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "2", "--logprobs-mode", "processed_logprobs"]
     args += ["--max-logprobs", "64", "--max-model-len", "4096", "--seed", "0"]
@@ -372,7 +373,8 @@ def vllm_url(tmp_path_factory):
 @pytest.fixture(scope="module")
 def served_policy():
     """The embedded model (float32, CPU) with a LoRA of the rank the server accepts: the trainer's side."""
-    model, tok = load_model(ModelConfig(name="embedded", device="cpu", dtype="float32"))
+    name = os.environ.get("TURNRL_GPU_MODEL", "embedded")  # the directory the server serves, where set
+    model, tok = load_model(ModelConfig(name=name, device="cpu", dtype="float32"))
     return attach_lora(model, LoraConfig(r=8)), tok
 
 
