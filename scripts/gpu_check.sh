@@ -7,7 +7,7 @@
 #   2. the real-vLLM tests (marker vllm) on the GPU: tests/test_sampler_vllm.py (the engine's
 #      log-probs equal the trainer's at T = 0, 0.7, 1; it follows the trainer's LoRA; a branched
 #      tree through the prefix cache; 2 steps of the main job with sampler.backend=vllm) and
-#      tests/test_sampler_openai.py (`vllm serve` with --enable-lora: token-id prompts, log-probs
+#      tests/test_sampler_vllm_serve.py (`vllm serve` with --enable-lora: token-id prompts, log-probs
 #      equal the trainer's, weight sync through /v1/load_lora_adapter); the numbers are printed
 #      in the "measured" section;
 #   3. speed: the same contexts sampled by the HF sampler and by the vLLM sampler (tokens/s);
@@ -50,7 +50,7 @@ EOF
 echo "ok"
 
 step "2/5 real-vLLM tests on the GPU: engine and vllm serve log-probs vs the trainer's, LoRA sync, tree, training"
-"$PYTHON" -m pytest -q -m vllm -rs -p no:cacheprovider tests/test_sampler_vllm.py tests/test_sampler_openai.py \
+"$PYTHON" -m pytest -q -m vllm -rs -p no:cacheprovider tests/test_sampler_vllm.py tests/test_sampler_vllm_serve.py \
   2>&1 | tee "$OUT/gpu_tests.log"
 grep -Eq '^[0-9]+ passed' "$OUT/gpu_tests.log" || fail "real-vLLM tests did not pass"
 grep -Eq '^[0-9]+ passed.*(failed|error)' "$OUT/gpu_tests.log" && fail "real-vLLM tests failed"
