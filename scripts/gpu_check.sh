@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
-# GPU check of the vLLM sampler (issue 11), for a CUDA machine that cannot reach a model hub.
+# GPU check of the vLLM sampler (issues 11, 21), for a CUDA machine that cannot reach a model hub.
+# (On CPU the same real-engine and server tests run in CI: make test-vllm, with vLLM's CPU build.)
 #
 # What it checks, in order (each step prints what it checks and stops the script on failure):
 #   1. the machine: CUDA visible to torch, vLLM importable, the model directory present;
-#   2. the GPU-marked tests (tests/test_sampler_vllm.py -m gpu): vLLM's log-probs equal the
-#      trainer's (T = 0, 0.7, 1) and the engine follows the trainer's LoRA;
+#   2. the real-vLLM tests (marker vllm) on the GPU: tests/test_sampler_vllm.py (the engine's
+#      log-probs equal the trainer's at T = 0, 0.7, 1; it follows the trainer's LoRA; a branched
+#      tree through the prefix cache; 2 steps of the main job with sampler.backend=vllm) and
+#      tests/test_sampler_vllm_serve.py (`vllm serve` with --enable-lora: token-id prompts, log-probs
+#      equal the trainer's, weight sync through /v1/load_lora_adapter); the numbers are printed
+#      in the "measured" section;
 #   3. speed: the same contexts sampled by the HF sampler and by the vLLM sampler (tokens/s);
 #   4. training: a few steps of number guessing with sampler.backend=vllm; every step logged,
 #      loss finite, the sampler/trainer log-prob gap (mismatch/abs_logp_gap_mean) printed;
@@ -44,10 +49,13 @@ EOF
   fail "$TURNRL_GPU_MODEL is not a model directory; make it with: TURNRL_CACHE=shared/turnrl-cache turnrl model prepare"
 echo "ok"
 
-step "2/5 GPU tests: vLLM log-probs vs the trainer's, LoRA sync"
-"$PYTHON" -m pytest -q -m gpu -rs -s -p no:cacheprovider tests/test_sampler_vllm.py 2>&1 | tee "$OUT/gpu_tests.log"
-grep -Eq '^[0-9]+ passed' "$OUT/gpu_tests.log" || fail "GPU tests did not pass"
-grep -q skipped "$OUT/gpu_tests.log" && fail "GPU tests were skipped (see the reasons above)"
+step "2/5 real-vLLM tests on the GPU: engine and vllm serve log-probs vs the trainer's, LoRA sync, tree, training"
+"$PYTHON" -m pytest -q -m vllm -rs -p no:cacheprovider tests/test_sampler_vllm.py tests/test_sampler_vllm_serve.py \
+  2>&1 | tee "$OUT/gpu_tests.log"
+grep -Eq '^[0-9]+ passed' "$OUT/gpu_tests.log" || fail "real-vLLM tests did not pass"
+grep -Eq '^[0-9]+ passed.*(failed|error)' "$OUT/gpu_tests.log" && fail "real-vLLM tests failed"
+grep -q skipped "$OUT/gpu_tests.log" && fail "real-vLLM tests were skipped (see the reasons above)"
+grep -q "vLLM engine (cuda)" "$OUT/gpu_tests.log" || fail "the engine did not run on the GPU"
 echo "ok"
 
 step "3/5 speed: HF sampler vs vLLM sampler on the same contexts"
@@ -65,7 +73,7 @@ model, tok = load_model(ModelConfig(name=os.environ["TURNRL_GPU_MODEL"], device=
 model = attach_lora(model, LoraConfig()); model.eval()
 chat = ChatTemplate(tok)
 topics = ["the sea", "a city", "rain", "numbers", "a forest", "the moon", "bread", "a river"]
-contexts = [chat.render([{"role": "user", "content": f"Write a short story about {t}."}], add_generation_prompt=True)
+contexts = [chat.initial([{"role": "user", "content": f"Write a short story about {t}."}])
             for t in topics] * 8  # 64 contexts
 params = SamplingParams(temperature=1.0, max_tokens=128, seed=0)
 vs = VLLMSampler(model, tok, VLLMSamplerParams(work_dir=tempfile.mkdtemp(), gpu_memory_utilization=0.3))

@@ -38,3 +38,20 @@ def tiny_model():
 
     model, _ = load_model(ModelConfig(name="tiny"), seed=0)
     return model
+
+
+_MEASURED: list[str] = []
+
+
+@pytest.fixture(scope="session")
+def report_line():
+    """``report_line(text)``: a measured number for the run's log, printed in a "measured" section at the end
+    (with or without ``-s``), e.g. the real engines' log-prob agreement."""
+    return _MEASURED.append
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MEASURED:
+        terminalreporter.section("measured")
+        for line in _MEASURED:
+            terminalreporter.write_line(line)

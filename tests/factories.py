@@ -95,3 +95,25 @@ def sample_rows(contexts: list[list[int]], samples) -> list[Row]:
         )
         for k, (c, s) in enumerate(zip(contexts, samples, strict=True))
     ]
+
+
+def chat_prompts(tok) -> list[list[int]]:
+    """Four one-question chats rendered with the generation prompt (the real-server samplers' prompts)."""
+    from turnrl.chat import ChatTemplate
+
+    chat = ChatTemplate(tok)
+    questions = [
+        "What is the capital of France?",
+        "Name three primary colors.",
+        "Write one sentence about the sea.",
+        "What is 7 times 8?",
+    ]
+    return [chat.initial([{"role": "user", "content": q}]) for q in questions]
+
+
+def teacher_logprobs(model, context: list[int], ids: list[int], temperature: float) -> list[float]:
+    """Log-probs of ``ids`` after ``context`` under the HF model at ``temperature`` (1 for greedy)."""
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([context + ids])).logits[0, len(context) - 1 : -1].float()
+    lp = (logits / (temperature or 1.0)).log_softmax(-1)
+    return lp.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()

@@ -121,6 +121,42 @@ def test_mismatch_weights(mode, level, mask, expected):
     torch.testing.assert_close(w, t([expected]))
 
 
+@pytest.mark.parametrize(
+    "level, mask, expected",
+    [
+        ("token", [1, 1, 1], [2.0, 1.0, 0.5]),  # w = [3, 1, .25] → clamp to [.5, 2]
+        ("sequence", [0, 1, 1], [0.0, 0.5, 0.5]),  # 1 · .25 = .25 → .5
+        ("sequence", [1, 1, 1], [0.75] * 3),  # inside [.5, 2]: unchanged
+    ],
+)
+def test_truncate_with_trls_lower_clamp(level, mask, expected):
+    """TRL's token_truncate / sequence_truncate: clamp(w, min=vllm_importance_sampling_clip_min, max=C)."""
+    cfg = MismatchConfig(mode="truncate", level=level, c=2.0, clip_min=0.5)
+    w, metrics = mismatch_weights(OLD, Q, t([mask]), cfg)
+    torch.testing.assert_close(w, t([expected]))
+    if level == "token":
+        assert float(metrics["mismatch/frac_truncated"]) == 2  # 3 → 2 above, .25 → .5 below
+
+
+def test_truncate_lower_clamp_closes_the_gap_to_trl():
+    """One token with w = exp(old − q) = 0.433, A = 1, on-policy clip loss −w·ρ·A = −w.
+
+    TRL with vllm_importance_sampling_clip_min = 0.5 weights it 0.5 (loss −0.5); without the
+    lower clamp turnrl weighted it 0.433 (loss −0.433): the 0.067 gap.
+    """
+    logp = t([[LOG(0.433)]])
+    q = t([[0.0]])
+    ones = t([[1.0]])
+    plain = LossConfig(type="clip", mismatch=MismatchConfig(mode="truncate", c=2.0))
+    trl = LossConfig(type="clip", mismatch=MismatchConfig(mode="truncate", c=2.0, clip_min=0.5))
+    before, _ = per_token_loss(plain, logp, None, q, ones, ones)
+    after, _ = per_token_loss(trl, logp, None, q, ones, ones)
+    assert float(before) == pytest.approx(-0.433) and float(after) == pytest.approx(-0.5)
+    assert float(before - after) == pytest.approx(0.067)
+    with pytest.raises(ValueError, match="clip_min"):
+        MismatchConfig(mode="truncate", c=2.0, clip_min=3.0)
+
+
 def test_mismatch_metrics_and_application():
     cfg = LossConfig(type="clip", mismatch=MismatchConfig(mode="truncate", c=2.0))
     logp = OLD.clone().requires_grad_(True)

@@ -1,11 +1,12 @@
 """``sampler.backend: openai``.
 
-Two kinds of server:
+Two kinds of server here (a real ``vllm serve``: ``tests/test_sampler_vllm_serve.py``):
 
 - a REAL llama.cpp ``llama-server`` on 127.0.0.1 serving the embedded model's GGUF
-  (installed by ``make llama-server``; these tests skip, saying so, when the binary is
-  absent): generation, ids and log-probs agree with the HF sampler on the same prompts;
-  weight sync is refused, since llama.cpp cannot load adapters at run time.
+  (installed by ``make llama-server``, a long compile, not in CI; these tests skip, saying
+  so, when the binary is absent): generation, ids and log-probs agree with the HF sampler
+  on the same prompts; weight sync is refused, since llama.cpp cannot load adapters at run
+  time.
 - a MOCK of vLLM's completions protocol written here (:class:`_MockVLLM`, plain
   ``http.server``): it checks what the client sends (token-id prompts,
   ``return_tokens_as_token_ids``, the adapter name), the LoRA load/unload calls, the
@@ -31,8 +32,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from factories import perturb_lora
-from turnrl.chat import ChatTemplate
+from factories import chat_prompts, perturb_lora, teacher_logprobs
 from turnrl.config import LoraConfig, ModelConfig, parse_config
 from turnrl.models import attach_lora, embedded_gguf_path, load_model
 from turnrl.sampling import SamplerSettings, make_sampler
@@ -368,25 +368,6 @@ def embedded():
     return model, tok
 
 
-def _prompts(tok) -> list[list[int]]:
-    chat = ChatTemplate(tok)
-    questions = [
-        "What is the capital of France?",
-        "Name three primary colors.",
-        "Write one sentence about the sea.",
-        "What is 7 times 8?",
-    ]
-    return [chat.initial([{"role": "user", "content": q}]) for q in questions]
-
-
-def _teacher_logprobs(model, context: list[int], ids: list[int], temperature: float) -> list[float]:
-    """Log-probs of ``ids`` after ``context`` under the float32 HF model at ``temperature`` (1 for greedy)."""
-    with torch.no_grad():
-        logits = model(input_ids=torch.tensor([context + ids])).logits[0, len(context) - 1 : -1].float()
-    lp = (logits / (temperature or 1.0)).log_softmax(-1)
-    return lp.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
-
-
 # Measured on this project's machine (docs/guide.md, "Samplers"), 8 prompts x 32 tokens:
 # llama.cpp runs the Q4_1 matmuls on 8-bit-quantized activations, the HF model in float32
 # on the same dequantized weights. Per-token |log-prob gap|: mean 0.04 (greedy) to 0.07
@@ -403,7 +384,7 @@ def test_llama_server_greedy_matches_the_hf_sampler(llama_url, embedded):
     from turnrl.sampling.hf import HFSampler
 
     model, tok = embedded
-    prompts = _prompts(tok)
+    prompts = chat_prompts(tok)
     params = SamplingParams(temperature=0.0, max_tokens=24, top_k_logprobs=3)
     server = OpenAISampler(model, tok, OpenAISamplerParams(base_url=llama_url, server="llama_cpp")).sample(
         prompts, params
@@ -439,7 +420,7 @@ def test_llama_server_greedy_matches_the_hf_sampler(llama_url, embedded):
 @needs_llama
 def test_llama_server_sampled_logprobs_are_under_the_temperature(llama_url, embedded):
     model, tok = embedded
-    prompts = _prompts(tok)
+    prompts = chat_prompts(tok)
     params = SamplingParams(temperature=0.7, max_tokens=16, seed=3)
     samples = OpenAISampler(
         model, tok, OpenAISamplerParams(base_url=llama_url, server="llama_cpp", max_concurrency=2)
@@ -447,8 +428,8 @@ def test_llama_server_sampled_logprobs_are_under_the_temperature(llama_url, embe
     gaps, raw_gaps = [], []
     for s, ctx in zip(samples, prompts, strict=True):
         assert s.ids and len(s.logprobs) == len(s.ids) and all(lp <= 0 for lp in s.logprobs)
-        gaps += [abs(a - b) for a, b in zip(s.logprobs, _teacher_logprobs(model, ctx, s.ids, 0.7), strict=True)]
-        raw_gaps += [abs(a - b) for a, b in zip(s.logprobs, _teacher_logprobs(model, ctx, s.ids, 1.0), strict=True)]
+        gaps += [abs(a - b) for a, b in zip(s.logprobs, teacher_logprobs(model, ctx, s.ids, 0.7), strict=True)]
+        raw_gaps += [abs(a - b) for a, b in zip(s.logprobs, teacher_logprobs(model, ctx, s.ids, 1.0), strict=True)]
     mean, raw_mean = sum(gaps) / len(gaps), sum(raw_gaps) / len(raw_gaps)
     print(
         f"sampled T=0.7: mean |server - HF(T=0.7)| = {mean:.4f}, max {max(gaps):.4f}; against HF at T=1: {raw_mean:.4f}"

