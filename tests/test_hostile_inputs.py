@@ -92,7 +92,7 @@ CASES = [
     Case("other_plugin_float_nan", 1, ("gamma",), text="credit: {estimator: stepwise, gamma: .nan}"),
     Case("nested_plugin_float", 1, ("top_k", "finite"), text="loss: {centered: {top_k: -.inf}}"),
     Case("plugin_bool_string", 1, ("enforce_eager", "true or false"), text="sampler: {enforce_eager: 'false'}"),
-    Case("section_bool_string", 1, ("credit.shaping", "true or false"), text="credit: {shaping: 'no'}"),
+    Case("section_bool_string", 1, ("rollout.shaping", "true or false"), text="rollout: {shaping: 'no'}"),
     Case("section_bool_int", 1, ("train.shared_prefix", "true or false"), overrides=("train.shared_prefix=0",)),
     Case("env_option_inf", 1, ("env.options.probe_steps", "finite"), text="env: {name: slosh_tank, options: {probe_steps: .inf}}", sections={"data": {"train_split": "smoke"}}),  # noqa: E501
     Case("env_option_huge_float", 1, ("env.options.max_turns",), text="env: {name: number_guess, options: {max_turns: 1e400}}"),  # noqa: E501
