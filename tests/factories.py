@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import time
+import urllib.request
+from collections.abc import Callable
+
+import pytest
 import torch
 
 from turnrl.train.batch import Row
@@ -117,3 +122,23 @@ def teacher_logprobs(model, context: list[int], ids: list[int], temperature: flo
         logits = model(input_ids=torch.tensor([context + ids])).logits[0, len(context) - 1 : -1].float()
     lp = (logits / (temperature or 1.0)).log_softmax(-1)
     return lp.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+def wait_until_healthy(
+    proc, health_url: str, timeout_s: float, name: str, log: Callable[[], str], poll_s: float
+) -> None:
+    """Poll ``health_url`` until it answers 200; fail the test, with the server's log tail, if ``proc``
+    exits first or ``timeout_s`` passes (the llama.cpp and ``vllm serve`` fixtures)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            pytest.fail(f"{name} exited with {proc.returncode}: {log()}")
+        try:
+            with urllib.request.urlopen(health_url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            pytest.fail(f"{name} was not healthy within {timeout_s} s: {log()}")
+        time.sleep(poll_s)

@@ -24,7 +24,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -32,7 +31,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from factories import chat_prompts, perturb_lora, teacher_logprobs
+from factories import chat_prompts, perturb_lora, teacher_logprobs, wait_until_healthy
 from turnrl.config import LoraConfig, ModelConfig, parse_config
 from turnrl.models import attach_lora, embedded_gguf_path, load_model
 from turnrl.sampling import SamplerSettings, make_sampler
@@ -338,19 +337,11 @@ def llama_url():
         text=True,
     )
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"llama-server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("llama-server did not become healthy within 60 s")
-            time.sleep(0.25)
+
+        def log() -> str:  # the pipe can be read only once the server has exited
+            return proc.stderr.read()[-2000:] if proc.poll() is not None else ""
+
+        wait_until_healthy(proc, f"http://127.0.0.1:{port}/health", 60, "llama-server", log, poll_s=0.25)
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.terminate()

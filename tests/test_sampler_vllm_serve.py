@@ -18,14 +18,13 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import pytest
 import torch
 
-from factories import chat_prompts, perturb_lora, teacher_logprobs
+from factories import chat_prompts, perturb_lora, teacher_logprobs, wait_until_healthy
 from turnrl.config import LoraConfig, ModelConfig
 from turnrl.models import attach_lora, embedded_model_dir, load_model
 from turnrl.sampling.openai import OpenAISampler, OpenAISamplerParams
@@ -85,19 +84,8 @@ def vllm_url(tmp_path_factory):
     with open(log_path, "w") as log:  # a file, not a pipe: the server's log would fill a pipe and stall it
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
-        deadline = time.monotonic() + SERVE_START_S
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited with {proc.returncode}: {log_path.read_text()[-3000:]}")
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve was not healthy within {SERVE_START_S} s: {log_path.read_text()[-3000:]}")
-            time.sleep(1)
+        wait_until_healthy(proc, f"http://127.0.0.1:{port}/health", SERVE_START_S, "vllm serve",
+                           lambda: log_path.read_text()[-3000:], poll_s=1)  # fmt: skip
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         try:  # the server and its engine processes: the session it leads
