@@ -38,7 +38,7 @@ def _imports_of(source: str) -> set[str]:
 
     try:
         tree = ast.parse(source)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError, SystemError):  # SystemError: see extract.py
         return set()
     names: set[str] = set()
     for node in ast.walk(tree):

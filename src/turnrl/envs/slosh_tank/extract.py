@@ -15,7 +15,9 @@ def _defines(code: str, name: str) -> bool:
 def _compiles(code: str) -> bool:
     try:
         compile(code, "<extract>", "exec", dont_inherit=True)
-    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError):
+    except (SyntaxError, ValueError, RecursionError, MemoryError, OverflowError, SystemError):
+        # SystemError: CPython 3.11's compiler can report deeply nested input as "AST constructor
+        # recursion depth mismatch" instead of RecursionError, depending on the caller's stack depth
         return False
     return True
 
