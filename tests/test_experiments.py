@@ -20,11 +20,14 @@ from turnrl.experiments import (
     eval_var,
     evaluate_criterion,
     load_spec,
+    mde,
     mean_se,
     parse_spec,
     plan_runs,
+    planned_se,
     run_experiment,
     sample_variance,
+    seeds_for,
 )
 from turnrl.rundir import RunDir, write_jsonl
 from turnrl.tracking.sinks import CsvSink
@@ -230,6 +233,17 @@ def test_combine_adds_seed_variance():
     assert se == pytest.approx(math.sqrt(0.001 + 0.01))
 
 
+def test_power_of_the_two_se_rule_by_hand():
+    # z_0.8 = 0.841621: a true difference of (2 + 0.8416)·SE is called with probability 0.8
+    assert mde(0.05) == pytest.approx(0.05 * 2.841621, abs=1e-6)
+    assert mde(0.05, power=0.5) == pytest.approx(0.10)  # z_0.5 = 0
+    # σ² = 0.01 (seed sd 10 points), v = 0.0025 (100 games at p = 0.5): SE² = (0.005 + 0.02)/5
+    assert planned_se(0.01, 0.0025, 5) == pytest.approx(math.sqrt(0.005))
+    # MDE ≤ 5 points needs (0.025)·(2.8416/0.05)² = 80.75 → 81 seeds
+    assert seeds_for(0.05, 0.01, 0.0025) == 81
+    assert mde(planned_se(0.01, 0.0025, 81)) <= 0.05 < mde(planned_se(0.01, 0.0025, 80))
+
+
 def test_margin_validated_failed_inconclusive():
     def curves(t_final, b_final, n=100):
         return {
@@ -242,6 +256,8 @@ def test_margin_validated_failed_inconclusive():
     assert r.verdict == "validated"
     assert r.numbers["diff"] == pytest.approx(0.2) and r.numbers["se"] == pytest.approx(se)
     assert r.numbers["excess"] == pytest.approx(0.16)  # 0.16 > 2·0.0673
+    assert r.numbers["mde_80"] == pytest.approx(2.841621 * se, abs=1e-6)
+    assert f"minimum detectable difference at 80 % power {100 * 2.841621 * se:.1f} points" in r.text
     assert evaluate_criterion(_margin(at_step=10, min_diff=0.04), curves(0.4, 0.3)).verdict == "inconclusive"
     assert evaluate_criterion(_margin(at_step=10, min_diff=0.04), curves(0.2, 0.4)).verdict == "failed"
     # "final" = each run's last evaluation
@@ -388,7 +404,7 @@ def test_verdict_module_is_pure():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     runtime = imported - {"turnrl.experiments.spec"}  # that one only under TYPE_CHECKING
-    assert runtime <= {"__future__", "math", "collections.abc", "dataclasses", "typing"}, runtime
+    assert runtime <= {"__future__", "math", "statistics", "collections.abc", "dataclasses", "typing"}, runtime
     assert not any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "open" for n in ast.walk(tree))
 
 

@@ -87,9 +87,12 @@ from turnrl.experiments.verdict import (
     evaluate_collapse,
     evaluate_criterion,
     evaluate_margin,
+    mde,
     mean_curve,
     mean_se,
+    planned_se,
     sample_variance,
+    seeds_for,
 )
 
 __all__ = [
@@ -100,7 +103,7 @@ __all__ = [
     "arm_summary", "as_curve", "binomial_var", "combine", "config_diff", "curves_by_arm",
     "eval_spread", "eval_var", "evaluate", "evaluate_collapse", "evaluate_criterion",
     "evaluate_margin", "evaluate_on_runs", "evaluation_steps", "flatten", "load_spec", "main",
-    "markdown_table", "mean_curve", "mean_se", "parse_spec", "plan_runs", "plot_experiment",
-    "read_run", "report_experiment", "result_line", "results_table", "run_experiment",
-    "sample_variance", "summary_markdown", "train_run",
+    "markdown_table", "mde", "mean_curve", "mean_se", "parse_spec", "plan_runs", "planned_se",
+    "plot_experiment", "read_run", "report_experiment", "result_line", "results_table", "run_experiment",
+    "sample_variance", "seeds_for", "summary_markdown", "train_run",
 ]  # fmt: skip

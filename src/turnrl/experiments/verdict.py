@@ -21,11 +21,19 @@ gives one difference d_s (arms paired by seed); the estimate is the mean D and
 SE² = Σ_s var_s / m² + s_d² / m (s_d: sample sd of the d_s; second term only
 when m ≥ 2). margin, collapse, any_of and all_of are judged on D and SE as
 described in ``docs/experiments.md``.
+
+Power. The margin rule calls D > 0 when D > 2·SE; a true difference δ is called
+with probability Φ(δ/SE − 2), so the minimum detectable difference at power π is
+MDE = (2 + z_π)·SE (z_0.8 = 0.8416: MDE = 2.84·SE). Before running, the SE of a
+design with m seeds per arm is predicted from a measured run-to-run variance σ²
+of the final metric (seed to seed, one arm) and the evaluation's own variance v:
+SE² = (2v + 2σ²)/m, the same sum :func:`combine` forms.
 """
 
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
@@ -107,6 +115,22 @@ def combine(diffs: Sequence[float], variances: Sequence[float]) -> tuple[float, 
     if m >= 2:
         var += sum((d - mean) ** 2 for d in diffs) / (m - 1) / m
     return mean, math.sqrt(var)
+
+
+def mde(se: float, power: float = 0.8) -> float:
+    """Minimum detectable difference of the 2-SE rule at ``power``: (2 + z_power)·SE."""
+    return (2.0 + statistics.NormalDist().inv_cdf(power)) * se
+
+
+def planned_se(run_var: float, eval_var: float, seeds: int) -> float:
+    """Predicted SE of a paired seed-mean difference: sqrt((2·eval_var + 2·run_var)/seeds)."""
+    return math.sqrt((2 * eval_var + 2 * run_var) / seeds)
+
+
+def seeds_for(target_mde: float, run_var: float, eval_var: float, power: float = 0.8) -> int:
+    """Seeds per arm for which the planned MDE is at most ``target_mde``."""
+    z = 2.0 + statistics.NormalDist().inv_cdf(power)
+    return max(2, math.ceil((2 * eval_var + 2 * run_var) * (z / target_mde) ** 2))
 
 
 def mean_curve(curves: Sequence[Curve], metric: str) -> list[tuple[int, float, float | None]]:
@@ -228,7 +252,7 @@ def evaluate_margin(c: MarginCriterion, curves: Mapping[str, Mapping[int, Curve]
     text = (
         f"{label}: difference {_signed(diff, metric)} ({_se(se, metric)}, {len(diffs)} seed(s)),"
         f" {_signed(excess, metric).removesuffix(' points')} vs the threshold = {_in_se(excess, se)}"
-        f" → {verdict}"
+        f" → {verdict}; minimum detectable difference at 80 % power {_amount(mde(se), metric)}"
     )
     if notes:
         text += " [" + "; ".join(notes) + "]"
@@ -241,6 +265,7 @@ def evaluate_margin(c: MarginCriterion, curves: Mapping[str, Mapping[int, Curve]
         "diff": diff,
         "se": se,
         "excess": excess,
+        "mde_80": mde(se),
         "per_seed_diff": diffs,
         "steps": steps,
         "notes": notes,
