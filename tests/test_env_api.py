@@ -389,6 +389,32 @@ def test_rubric_weights_metrics_and_group_reward(tokenizer):
     assert m["reward/has_a"] == 0.25 and m["reward/rank"] == 0.25 and m["reward/length"] == 1.25
 
 
+class GroupRaisesEnv(RubricEnv):
+    name = f"{HERE}:GroupRaisesEnv"
+
+    @classmethod
+    def group_rewards(cls, episodes):
+        return [1.0 / len(ep.turns[-1].action_text.strip("x")) for ep in episodes]  # "xx": ZeroDivisionError
+
+
+def test_a_group_reward_that_raises_on_model_output_costs_the_group_its_bonus_not_the_run(tokenizer, caplog):
+    from turnrl.envs import ENV_REGISTRY, register_env
+
+    register_env("group_raises", GroupRaisesEnv)
+    replies = iter(["aaaa", "xx", "c", "dd"])  # two groups of two: the first group's "xx" makes the hook raise
+    try:
+        eps = collect(
+            [Task("r", "group_raises"), Task("s", "group_raises")],
+            _scripted(tokenizer, lambda m: next(replies)), ChatTemplate(tokenizer), PARAMS, [2],
+        )  # fmt: skip
+    finally:
+        del ENV_REGISTRY["group_raises"]
+    assert [e.reward for e in eps] == [1.5, 2.0, 1.0 + 1.0, 2.0 + 0.5]  # own rubric rewards; only group 2 has a bonus
+    assert [e.metrics.get("group_reward_error") for e in eps] == [1.0, 1.0, None, None]
+    assert "reward/group" not in eps[0].metrics and eps[2].metrics["reward/group"] == 1.0
+    assert any("raised ZeroDivisionError on a group of episodes" in r.getMessage() for r in caplog.records)
+
+
 def test_rubric_rejects_bad_entries():
     with pytest.raises(ValueError, match="unique"):
         Rubric([("a", len), ("a", len)])

@@ -42,7 +42,7 @@ from typing import Any, Protocol
 from turnrl.chat import ChatTemplate
 from turnrl.credit.shaping import shaped_rewards
 from turnrl.envs import Env, make_env
-from turnrl.rollout.guard import guarded_step
+from turnrl.rollout.guard import guarded_group_rewards, guarded_step
 from turnrl.sampling.base import Sampler
 from turnrl.types import (
     Episode,
@@ -429,7 +429,7 @@ def _group_rewards(episodes: list[Episode], live: list[_Live]) -> None:
     for i, ep in enumerate(episodes):
         groups.setdefault(ep.group_id, []).append(i)
     for gid, idx in groups.items():
-        extra = type(live[idx[0]].env).group_rewards([episodes[i] for i in idx])
+        extra = guarded_group_rewards(type(live[idx[0]].env), [episodes[i] for i in idx])
         if extra is None:
             continue
         if len(extra) != len(idx):

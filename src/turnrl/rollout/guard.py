@@ -1,10 +1,12 @@
-"""The one guarded call of collection: an environment stepping on a model's reply.
+"""The guarded calls of collection: environment code run on what a model wrote.
 
 Nothing a model writes can stop a run. :func:`guarded_step` wraps ``env.step(reply)`` (plain or
 ``async``); an ``Exception`` it raises ends that episode with the environment's ``failure_reward``,
 stop reason ``MALFORMED``, episode metric ``env_error`` and the exception as the turn's observation,
-logged once per environment class and exception type. ``BaseException`` (KeyboardInterrupt,
-SystemExit) passes, and errors anywhere else in the collector still raise.
+logged once per environment class and exception type. :func:`guarded_group_rewards` wraps the
+group-level hook ``Env.group_rewards(episodes)``: if it raises, that group gets no group reward
+(each episode keeps its own) and metric ``group_reward_error``. ``BaseException``
+(KeyboardInterrupt, SystemExit) passes, and errors anywhere else in the collector still raise.
 """
 
 from __future__ import annotations
@@ -22,24 +24,44 @@ _log = logging.getLogger(__name__)
 _warned: set[tuple[str, str]] = set()
 
 
+def _describe(exc: Exception) -> str:
+    try:
+        return str(exc)[:_ERROR_CHARS]
+    except Exception:  # noqa: BLE001 - an exception whose message itself fails
+        return "(no message)"
+
+
+def _warn_once(env_cls: type, exc: Exception, what: str, then: str) -> None:
+    if (env_cls.__name__, type(exc).__name__) not in _warned:
+        _warned.add((env_cls.__name__, type(exc).__name__))
+        _log.warning(
+            "environment %s raised %s on %s (%s); %s. Environments should turn such output into a"
+            " malformed result themselves",
+            env_cls.__name__,
+            type(exc).__name__,
+            what,
+            _describe(exc),
+            then,
+        )
+
+
+def guarded_group_rewards(env_cls: type[Env], episodes: list[Any]) -> list[float] | None:
+    """``env_cls.group_rewards(episodes)``; on an ``Exception``, None (no group reward for this group)
+    and metric ``group_reward_error`` = 1 on each episode."""
+    try:
+        return env_cls.group_rewards(episodes)
+    except Exception as exc:  # noqa: BLE001 - the model's replies must not stop the run
+        _warn_once(env_cls, exc, "a group of episodes", "the group gets no group reward")
+        for ep in episodes:
+            ep.metrics["group_reward_error"] = 1.0
+        return None
+
+
 def step_failure(env: Env, exc: Exception) -> StepResult:
     """The result of a step that raised on the model's reply: the episode ends with the environment's
     ``failure_reward`` (stop reason ``MALFORMED``, metric ``env_error``), the exception recorded."""
-    kind = type(exc).__name__
-    try:
-        detail = str(exc)[:_ERROR_CHARS]
-    except Exception:  # noqa: BLE001 - an exception whose message itself fails
-        detail = "(no message)"
-    if (type(env).__name__, kind) not in _warned:
-        _warned.add((type(env).__name__, kind))
-        _log.warning(
-            "environment %s raised %s on a model reply (%s); the episode ends with its failure reward %s."
-            " Environments should turn such replies into a malformed result themselves",
-            type(env).__name__,
-            kind,
-            detail,
-            env.failure_reward,
-        )
+    kind, detail = type(exc).__name__, _describe(exc)
+    _warn_once(type(env), exc, "a model reply", f"the episode ends with its failure reward {env.failure_reward}")
     return StepResult(
         [],
         reward=float(env.failure_reward),
