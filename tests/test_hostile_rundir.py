@@ -169,6 +169,24 @@ def test_resume_without_a_checkpoint_starts_clean(run):
     assert not run.iteration_rows.exists()
 
 
+def test_resume_removes_the_temp_files_a_kill_left_half_written(run):
+    run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+    half = run.checkpoint_dir / ".state.pt.k3j9x.tmp"  # what atomic_file leaves when SIGKILL lands mid-write
+    half.write_bytes(b"\x80half")
+    outside = run.root.parent / "outside.txt"
+    outside.write_text("keep")
+    (run.root / ".planted.tmp").symlink_to(outside)  # a link of that name is not ours: left, target untouched
+    (run.root / ".dir.tmp").mkdir()
+    elsewhere = run.root.parent / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / ".theirs.tmp").write_text("keep")
+    (run.root / "linked").symlink_to(elsewhere)  # a linked directory is not searched
+    assert run.stale_temp_files() == [half]
+    cut_back(run, None)
+    assert not half.exists() and outside.read_text() == "keep" and (run.root / ".dir.tmp").is_dir()
+    assert (elsewhere / ".theirs.tmp").read_text() == "keep"
+
+
 # ----------------------------------------------------------------------------- (d) duplicate YAML keys
 
 DUPLICATED = [

@@ -135,6 +135,11 @@ class RunDir:
     def report(self) -> Path:
         return self.root / "report.html"
 
+    def stale_temp_files(self) -> list[Path]:
+        """Half-written temp files of :func:`atomic_file` (``.NAME.XXXX.tmp``) a killed writer left
+        behind; plain files only (a link or directory of that name is not one of ours)."""
+        return sorted(p for p in self.root.rglob(".*.tmp") if p.is_file() and not p.is_symlink())
+
     def progress_files(self) -> list[Path]:
         """Every append-only file a resumed run must cut back to its checkpoint."""
         return [self.train_csv, self.eval_csv, self.steps_jsonl, *self.train_rollout_files()]

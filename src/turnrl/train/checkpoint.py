@@ -138,7 +138,10 @@ def truncate_to(run: RunDir, counts: dict[str, int]) -> None:
 
 def cut_back(run: RunDir, ckpt: Checkpoint | None) -> None:
     """Before a resume writes: every progress/rollout file back to the checkpoint's rows, or, with no
-    checkpoint (a kill before the first one), back to nothing — the resumed run starts from step 0."""
+    checkpoint (a kill before the first one), back to nothing — the resumed run starts from step 0.
+    The temp files a kill left half-written (``RunDir.stale_temp_files``) are removed (the run lock is held)."""
+    for tmp in run.stale_temp_files():
+        tmp.unlink(missing_ok=True)
     if ckpt is None:
         truncate_to(run, {})
         run.iteration_rows.unlink(missing_ok=True)
