@@ -252,7 +252,7 @@ seed: 3
 model: {{name: tiny}}
 env: {{name: count}}
 sampler: {{max_tokens: 4}}
-rollout: {{tasks_per_step: 2, group_size: 2}}
+rollout: {{tasks_per_step: 2, group_size: 2{rollout}}}
 train: {{steps: 2, lr: 0.01, micro_batch_size: 3}}
 loop: {{iterations: 2}}
 eval: {{every: 0}}
@@ -280,9 +280,10 @@ def _train(config: Path, *extra: str, kill_at: str = "", timeout: int = 400) -> 
     )
 
 
-def _config(tmp: Path, name: str) -> Path:
+def _config(tmp: Path, name: str, task_seeds: bool = False) -> Path:
+    """The run's config; ``task_seeds``: seed one process (or replicated FSDP collection) as sharded collection."""
     path = tmp / f"{name}.yaml"
-    path.write_text(CONFIG.format(name=name, out=tmp / "runs"))
+    path.write_text(CONFIG.format(name=name, out=tmp / "runs", rollout=", task_seeds: true" if task_seeds else ""))
     return path
 
 
@@ -301,7 +302,7 @@ def two_process_run(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one")
-    result = _train(_config(tmp, "ref"))
+    result = _train(_config(tmp, "ref", task_seeds=True))  # the seeding of the 2-process run's sharded collection
     assert result.returncode == 0, result.stderr[-3000:]
     return tmp / "runs" / "ref"
 
@@ -332,7 +333,7 @@ def test_two_process_run_matches_the_one_process_run(two_process_run, one_proces
 def test_killed_fsdp_run_resumes_and_matches_the_one_process_run(one_process_run, tmp_path):
     """accelerate launch with FSDP (the base sharded over 2 ranks, sampling through the sharded layers):
     killed mid-iteration 1, resumed, and the same training as one process."""
-    config = _config(tmp_path, "ref")
+    config = _config(tmp_path, "ref", task_seeds=True)  # FSDP collects replicated: the one process's seeding
     run = tmp_path / "runs" / "ref"
     killed = _train(config, "--processes", "2", "--fsdp", kill_at="step:4")
     assert killed.returncode != 0, killed.stderr[-2000:]

@@ -128,6 +128,10 @@ class RolloutConfig(_Section):
     truncated_completion_reward: float | None = None
     """An episode with a length-cut turn gets this reward instead (None: off; ``train.mask_truncated_completions``
     is the other way to treat such turns)."""
+    task_seeds: bool | None = None
+    """Seed each draw from (step seed, task index, branch, turn) rather than from its place in the sampler
+    call, so a task's episodes do not depend on which process collects it. None: on exactly when several
+    processes share each step's tasks (a multi-process launch); true on one process reproduces such a run."""
 
 
 class CreditConfig(_PluginSection):

@@ -117,6 +117,14 @@ class SamplingParams:
     top_k_logprobs: int = 0
     """Also return the top-k log-probs per sampled position (0 = off)."""
     seed: int = 0
+    row_seeds: tuple[int, ...] | None = None
+    """One seed per context of the call (None: every draw of the call comes from ``seed``). When set,
+    context i's draws come from ``row_seeds[i]`` alone, whatever else is in the call: the collector
+    sets them when several processes share a step's tasks (``rollout.task_seeds``)."""
+
+    def row_seed(self, i: int) -> int:
+        """The seed of context i of the call: ``row_seeds[i]``, else ``seed * 100_003 + i``."""
+        return self.row_seeds[i] if self.row_seeds is not None else self.seed * 100_003 + i
 
 
 @dataclass

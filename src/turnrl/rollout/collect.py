@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import hashlib
 import inspect
 import json
+import math
 import threading
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +74,7 @@ class RolloutSection(Protocol):
     shaping: bool
     shaping_gamma: float
     truncated_completion_reward: float | None
+    task_seeds: bool | None
 
 
 class EnvSection(Protocol):
@@ -104,6 +107,10 @@ class RolloutSettings:
     env_workers: int = DEFAULT_ENV_WORKERS
     shaping_gamma: float | None = None
     truncated_reward: float | None = None
+    task_seeds: bool = False
+    """Seed every draw from (the call's seed, task index, branch, turn) instead of from its place in the
+    sampler call, so a task's episodes do not depend on which other tasks are collected with it (or by
+    which process): :func:`row_seed`."""
 
     @classmethod
     def from_config(cls, cfg: RolloutSource) -> RolloutSettings:
@@ -119,6 +126,7 @@ class RolloutSettings:
             env_workers=r.env_workers,
             shaping_gamma=r.shaping_gamma if r.shaping else None,
             truncated_reward=r.truncated_completion_reward,
+            task_seeds=bool(r.task_seeds),
         )
 
     def for_evaluation(self) -> RolloutSettings:
@@ -152,6 +160,8 @@ class _Live:
     potentials: list[float] | None = None
     """Φ(s_0), Φ(s_1), ... of the states the turns acted from (shaping only)."""
     prompt: str = ""
+    index: int = 0
+    """The task's index in the step (``first_task`` + its place in this call)."""
 
     def fork(self, j: int) -> _Live:
         child = copy.deepcopy(self)
@@ -229,6 +239,7 @@ def collect(
     settings: RolloutSettings = RolloutSettings(),
     *,
     id_prefix: str = "",
+    first_task: int = 0,
 ) -> list[Episode]:
     """Run episodes for ``tasks`` with rollout ``shape`` (``[G]`` flat, ``[G1, G2, ...]`` tree).
 
@@ -242,6 +253,10 @@ def collect(
     the episode is truncated with stop reason ``context_limit``. ``truncated_reward``
     replaces the reward of every episode with a length-cut turn (on its last turn).
     ``env_workers`` threads step plain (non-async) environments. (Each of these is a field of ``settings``.)
+
+    ``first_task``: the index of ``tasks[0]`` among the step's tasks, when this call collects a share of
+    them (one process's): group ``g{i}`` and episode ``e{k}`` are then numbered as in one call for every
+    task, and with ``settings.task_seeds`` the draws are those of that call.
     """
     env_options, max_turns, max_context_tokens = (
         dict(settings.env_options),
@@ -266,7 +281,10 @@ def collect(
                     f" rollout.max_context_tokens = {max_context_tokens}; raise rollout.max_context_tokens"
                 )
             task_text = next((str(m["content"]) for m in reversed(messages) if m["role"] == "user"), "")
-            root = _Live(env, task, f"{id_prefix}g{t}", [], messages, context, sources, tools, prompt=task_text)
+            i = first_task + t
+            root = _Live(
+                env, task, f"{id_prefix}g{i}", [], messages, context, sources, tools, prompt=task_text, index=i
+            )
             if shaping_gamma is not None:
                 phi = env.potential()
                 root.potentials = None if phi is None else [float(phi)]
@@ -278,11 +296,10 @@ def collect(
             if not active:
                 break
             keys = [_key_json(e.env) for e in active]
-            samples = sampler.sample(
-                [e.context for e in active],
-                SamplingParams(**{**params.__dict__, "seed": params.seed * 1009 + turn}),
-                [e.messages for e in active],
-            )
+            call = replace(params, seed=params.seed * 1009 + turn)
+            if settings.task_seeds:
+                call = replace(call, row_seeds=tuple(row_seed(params.seed, e.index, e.branch, turn) for e in active))
+            samples = sampler.sample([e.context for e in active], call, [e.messages for e in active])
             fitted = [_fit(e, s, max_context_tokens) for e, s in zip(active, samples, strict=True)]
             samples = [s for s, _ in fitted]
             texts = [s.text if s.text is not None else chat.decode(s.ids) for s in samples]
@@ -296,13 +313,22 @@ def collect(
             turn += 1
             if turn < len(shape):  # branch point: every node (ended or not) gets shape[turn] children
                 live = [e.fork(j) for e in live for j in range(shape[turn])]
-    episodes = [_finish(e, k, shaping_gamma, truncated_reward) for k, e in enumerate(live)]
+        for factor in shape[turn + 1 :]:  # every episode ended before these branch points: trees stay whole
+            live = [e.fork(j) for e in live for j in range(factor)]
+    leaves = math.prod(shape)
+    episodes = [_finish(e, first_task * leaves + k, shaping_gamma, truncated_reward) for k, e in enumerate(live)]
     _group_rewards(episodes, live)
     for ep in episodes:
         errors = ep.validate()
         if errors:
             raise RolloutContractError(f"episode {ep.episode_id}: {'; '.join(errors)}")
     return episodes
+
+
+def row_seed(seed: int, task: int, branch: list[int], turn: int) -> int:
+    """The seed of one draw: the episode node (task index, branch path) at ``turn`` of a call seeded ``seed``."""
+    key = f"{seed}:{task}:{'.'.join(map(str, branch))}:{turn}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") % 2**31
 
 
 def _fit(e: _Live, sample: Sample, limit: int | None) -> tuple[Sample, bool]:

@@ -29,7 +29,7 @@ generating, so rollouts come from the policy of the last refresh
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -90,6 +90,35 @@ def common_prefix_length(rows: list[list[int]]) -> int:
         if any(r[k] != first[k] for r in rows):
             return k
     return n
+
+
+class _RowDraws:
+    """Sampling with one random stream per row (``SamplingParams.row_seeds``), so that a row's tokens do not
+    depend on the other rows of the batch.
+
+    transformers' own warpers (temperature, top-p) process the scores, which are kept as the sampling
+    distribution; the token is then the argmax of scores + Gumbel noise drawn from the row's own generator,
+    a draw from softmax(scores) (the Gumbel-max trick). ``generate`` runs greedy on the noisy scores.
+    """
+
+    def __init__(self, params: SamplingParams, device) -> None:
+        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.generators = [torch.Generator(device=device).manual_seed(s) for s in params.row_seeds or ()]
+        self.scores: list[torch.Tensor] = []
+        warpers: list = []
+        if params.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(params.top_p))
+        self.processors = LogitsProcessorList([*warpers, self])
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.scores.append(scores)
+        noise = torch.stack(
+            [torch.empty(scores.shape[-1], device=scores.device).exponential_(generator=g) for g in self.generators]
+        )
+        return scores - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()  # -log(Exp(1)) is Gumbel(0, 1)
 
 
 class HFSampler:
@@ -169,7 +198,10 @@ class HFSampler:
         try:
             for start in range(0, len(contexts), self.batch_size):
                 chunk = contexts[start : start + self.batch_size]
-                out += self._generate(chunk, params, seed=params.seed * 100_003 + start, previous=previous)
+                chunk_params = params
+                if params.row_seeds is not None:  # each row keeps its own seed
+                    chunk_params = replace(params, row_seeds=params.row_seeds[start : start + self.batch_size])
+                out += self._generate(chunk, chunk_params, seed=params.seed * 100_003 + start, previous=previous)
         finally:
             if current is not None:
                 for n, t in current.items():
@@ -214,24 +246,28 @@ class HFSampler:
             cache.batch_repeat_interleave(len(contexts))
             extra[CACHE_KWARG] = cache
         greedy = params.temperature == 0
+        rows = _RowDraws(params, device) if params.row_seeds is not None and not greedy else None
+        if rows is not None:  # the warpers and the draw are ours: generate takes the argmax of scores + noise
+            extra["logits_processor"] = rows.processors
         torch.manual_seed(seed)
         gen = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention.to(device),
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            top_p=None if greedy else params.top_p,
+            do_sample=not greedy and rows is None,
+            temperature=None if greedy or rows else params.temperature,
+            top_p=None if greedy or rows else params.top_p,
             top_k=None,
             max_new_tokens=params.max_tokens,
             eos_token_id=self.stop_ids,
             pad_token_id=pad,
-            output_scores=True,
+            output_scores=rows is None,
             return_dict_in_generate=True,
             **extra,
         )
         new_tokens = gen.sequences[:, width:].cpu()
         # scores: one [B, V] tensor per generated position, after temperature/top-p processing
-        logprobs = torch.stack([s.float().log_softmax(-1) for s in gen.scores], dim=1).cpu()
+        scores = rows.scores if rows is not None else gen.scores
+        logprobs = torch.stack([s.float().log_softmax(-1) for s in scores], dim=1).cpu()
         samples = []
         for row in range(len(contexts)):
             ids = new_tokens[row].tolist()

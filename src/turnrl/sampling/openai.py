@@ -364,7 +364,7 @@ class OpenAISampler(LoraFollower):
     ) -> list[Sample]:
         if not self.stale:
             self._sync_if_changed()
-        seeds = [params.seed * 100_003 + i for i in range(len(contexts))]
+        seeds = [params.row_seed(i) for i in range(len(contexts))]
         with ThreadPoolExecutor(max_workers=self.p.max_concurrency) as pool:
             return list(pool.map(lambda cs: self._request(cs[0], params, cs[1]), zip(contexts, seeds, strict=True)))
 

@@ -315,7 +315,7 @@ class VLLMSampler(LoraFollower):
             llm.wake_up()
         try:
             prompts = [TokensPrompt(prompt_token_ids=list(c)) for c in contexts]
-            sps = [self.sampling_params(params, params.seed * 100_003 + i) for i in range(len(contexts))]
+            sps = [self.sampling_params(params, params.row_seed(i)) for i in range(len(contexts))]
             outputs = llm.generate(prompts, sps, lora_request=self.lora_request, use_tqdm=False)
         finally:
             if sleep:

@@ -8,9 +8,17 @@ on CPUs).
 
 The design, chosen because it is exact and simple:
 
-* **Collection is replicated.** Every rank holds the same weights and samples
-  with the same seeds, so every rank collects the same episodes; no episode is
-  sent anywhere. (Generation is not sped up by more processes; training is.)
+* **Collection is sharded.** Each rank collects its share of the step's tasks
+  (:func:`task_share`: a contiguous block, so a task's group or tree stays whole
+  on one rank), and the episodes are gathered to every rank
+  (:func:`gather_episodes`), in the order one process collects them; credit is
+  then assigned on the whole gathered batch, on every rank alike. So that the
+  gathered episodes are those of one process, every draw is seeded from (step
+  seed, task index, branch, turn) rather than from its place in the sampler call
+  (``rollout.task_seeds``, on by default under a multi-process launch; one
+  process keeps the per-call seeds unless it is set). Generation then scales
+  with the ranks. Exception: under FSDP with a sampler that runs the trainer's
+  own (sharded) module, collection stays replicated (:func:`shards_collection`).
 * **Rows are sharded.** :class:`DistributedTrainer` trains each rank on its
   share of the batch's rows (:func:`shard_rows`), with the normaliser constants
   of the *global* batch (:func:`global_totals`: token and row counts summed over
@@ -49,7 +57,8 @@ memory fits N of them. What is sharded and what is not:
   checkpoints, the weight check and the sampler refresh are unchanged. The
   embeddings, final norm and output head (outside the layers) stay whole.
 * Gathers are collectives: every rank must run the same forwards and backwards.
-  Collection and evaluation already do (replicated). Training runs a
+  Collection and evaluation through the trainer's module therefore stay
+  replicated under FSDP (every rank collects every task, with the same seeds). Training runs a
   *lock-step plan* (:func:`lockstep_plan`): every rank computes the same global
   micro-batches of ``micro_batch_size × N`` rows and takes its share of each; a
   rank whose share is empty runs one placeholder row with no trained token
@@ -81,6 +90,7 @@ from turnrl.train.step import (
     micro_batches,
     pass_groups,
 )
+from turnrl.types import Episode
 
 
 def launched_world_size() -> int:
@@ -175,6 +185,33 @@ def on_main(fn, *args, **kwargs) -> Any:
     return result
 
 
+def shards_collection(shares_module: bool) -> bool:
+    """Each rank collects its own share of a step's tasks: under a multi-process launch, except FSDP with a
+    sampler that generates through the trainer's module (its sharded layers' forwards are collectives
+    that every rank must run together, so that collection stays replicated)."""
+    return launched_world_size() > 1 and not (fsdp_launched() and shares_module)
+
+
+def task_share(n: int, rank: int, world: int) -> range:
+    """The indices of ``n`` tasks that ``rank`` collects: a contiguous block; block sizes differ by at most one.
+
+    In rank order the blocks are ``range(n)``, so the ranks' episodes, gathered in rank order, are in the
+    order one process collects them.
+    """
+    base, extra = divmod(n, world)
+    start = rank * base + min(rank, extra)
+    return range(start, start + base + (rank < extra))
+
+
+def gather_episodes(episodes: list[Episode]) -> list[Episode]:
+    """Every rank's ``episodes`` on every rank, concatenated in rank order (``all_gather_object``)."""
+    if not active():
+        return list(episodes)
+    parts: list[list[Episode] | None] = [None] * launched_world_size()
+    torch.distributed.all_gather_object(parts, episodes)
+    return [ep for part in parts for ep in part or []]
+
+
 def shard_rows(rows: list[Row], rank: int, world: int) -> list[Row]:
     """This rank's rows: dealt round-robin in order of trained tokens (longest first), so shards balance.
 
@@ -256,13 +293,13 @@ class DistributedTrainer(LocalTrainer):
         return all_reduce_sums(sums, self.device)
 
     def _check_shards(self, shard: list[Row], totals: StepTotals) -> None:
-        """The ranks' shards together must be the batch every rank collected."""
+        """The ranks' shards together must be the batch every rank holds (gathered, or collected alike)."""
         totals_global = global_totals(shard, self.settings.max_tokens_per_turn, self.device)
         if _any_rank(totals_global != totals, self.device):
             raise RuntimeError(
-                f"the ranks collected different batches (this rank: {totals}, the ranks' shards together:"
-                f" {totals_global}); every rank must sample the same episodes — check that sampling is"
-                " deterministic on this hardware (same seeds, same weights)"
+                f"the ranks hold different batches (this rank: {totals}, the ranks' shards together:"
+                f" {totals_global}); every rank must train on the same episodes — with replicated collection"
+                " (FSDP), check that sampling is deterministic on this hardware (same seeds, same weights)"
             )
 
     def _rank_generator(self) -> torch.Generator | None:

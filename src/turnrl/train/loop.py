@@ -7,6 +7,7 @@ resume where it stopped; sampling seeds derive from (seed, step), so a resumed
 CPU run reproduces the uninterrupted one. One step, read aloud:
 
     episodes = collect(tasks, sampler)        # the policy acts; environments reply and score
+                                              # (N processes: each its share of tasks, then gathered)
     metrics  = assign_credit(episodes)        # one advantage per turn (Turn.advantage)
     rows     = build_rows(episodes)           # token rows with loss masks
     metrics |= update(trainer, rows)          # forward/backward, optimizer step
@@ -49,7 +50,10 @@ def run_dir_for(cfg: RunConfig) -> RunDir:
 def collect_batch(
     settings: RunSettings, train_tasks: list[Task], state: RunState, sampler: Sampler, chat: ChatTemplate
 ) -> tuple[list[Episode], dict[str, float]]:
-    """Episodes for one step; with dynamic sampling, zero-variance groups are dropped (and refilled)."""
+    """Episodes for one step; with dynamic sampling, zero-variance groups are dropped (and refilled).
+
+    With several processes each collects its share of the tasks and every process gets all the episodes.
+    """
     r = settings.rollout
     seed = step_seed(settings.seed, state.step)
     kept: list[Episode] = []
@@ -59,7 +63,13 @@ def collect_batch(
         tasks = TaskStream(train_tasks, settings.seed).take(state.cursor, needed)
         state.cursor += needed
         params = settings.sampler.sampling(seed + round_)
-        episodes = collect(tasks, sampler, chat, params, r.shape, r, id_prefix=f"s{state.step + 1}r{round_}-")
+        mine = _share(settings, len(tasks))  # this process's tasks (all of them on one process)
+        prefix = f"s{state.step + 1}r{round_}-"
+        episodes = collect(
+            [tasks[i] for i in mine], sampler, chat, params, r.shape, r, id_prefix=prefix, first_task=mine.start
+        )
+        if settings.shard_collection:
+            episodes = distributed.gather_episodes(episodes)  # every rank's, in task order
         if not r.dynamic_sampling:
             return episodes, {}
         groups: dict[str, list[Episode]] = {}
@@ -72,6 +82,12 @@ def collect_batch(
         if needed == 0:
             break
     return kept, {"dynamic_sampling/dropped_groups": float(dropped)}
+
+
+def _share(settings: RunSettings, n: int) -> range:
+    if not settings.shard_collection:
+        return range(n)
+    return distributed.task_share(n, distributed.rank(), distributed.launched_world_size())
 
 
 def _rollout_metrics(episodes: list[Episode]) -> dict[str, float]:

@@ -16,6 +16,7 @@ processes only rank 0 writes: every writing method is behind the one guard :func
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import shutil
@@ -34,7 +35,7 @@ from turnrl.envs.splits import TaskSource
 from turnrl.eval import EvalSettings, comparison_table
 from turnrl.rollout.collect import RolloutSettings
 from turnrl.rundir import RunDir, atomic_write_text, pull_run, push_run, write_jsonl
-from turnrl.sampling import SamplerSettings
+from turnrl.sampling import SamplerSettings, get_sampler
 from turnrl.tracking import MultiSink, make_plots, make_sinks, write_report
 from turnrl.train import distributed
 from turnrl.train.checkpoint import (
@@ -77,12 +78,18 @@ class RunSettings:
     per_turn_rows: bool = False
     chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
     exclude_think: bool = False
+    shard_collection: bool = False
+    """Each process collects its share of a step's tasks (:func:`distributed.shards_collection`)."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> RunSettings:
+        shard = distributed.shards_collection(get_sampler(cfg.sampler.backend).shares_weights)
+        rollout = RolloutSettings.from_config(cfg)
+        if cfg.rollout.task_seeds is None:  # sharded collection needs them; one process keeps per-call seeds
+            rollout = dataclasses.replace(rollout, task_seeds=shard)
         return cls(
             seed=cfg.seed,
-            rollout=RolloutSettings.from_config(cfg),
+            rollout=rollout,
             sampler=SamplerSettings.from_config(cfg.sampler),
             credit=CreditSettings.from_config(cfg.credit),
             step=StepSettings.from_config(cfg),
@@ -96,6 +103,7 @@ class RunSettings:
             per_turn_rows=cfg.per_turn_rows,
             chat_template_kwargs=dict(cfg.model.chat_template_kwargs),
             exclude_think=cfg.credit.exclude_think,
+            shard_collection=shard,
         )
 
     def out_of_time(self, state: RunState) -> bool:
