@@ -140,3 +140,12 @@ def test_preallocated_kv_samples_what_the_growing_cache_does(tiny_model, tokeniz
             assert x.ids == y.ids and x.finish_reason == y.finish_reason
             assert x.logprobs == y.logprobs and x.topk_ids == y.topk_ids and x.topk_logprobs == y.topk_logprobs
         contexts = _next_turns(contexts, b, seed=turn)
+
+
+def test_preallocate_kv_is_a_sampler_key_on_by_default(tiny_model, tokenizer):
+    from turnrl.config import parse_config
+    from turnrl.sampling import SamplerSettings, make_sampler
+
+    for overrides, expected in (({}, True), ({"preallocate_kv": False}, False)):
+        cfg = parse_config({"sampler": overrides})
+        assert make_sampler(SamplerSettings.from_config(cfg.sampler), tiny_model, tokenizer).preallocate_kv is expected
