@@ -121,3 +121,31 @@ def test_a_context_without_a_kept_past_falls_back_to_the_shared_prefix(tiny_mode
     assert [s.ids for s in got] == [
         s.ids for s in HFSampler(tiny_model, tokenizer, reuse_kv_gib=0).sample(mixed, params)
     ]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.0])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_preallocated_kv_samples_what_the_growing_cache_does(tiny_model, tokenizer, temperature, prefix_cache):
+    """Buffers written in place (``preallocate_kv``) instead of a cache grown by concatenation: over three turns
+    (the shared prefix or none, then kept keys/values of earlier turns) the same tokens and the same log-probs,
+    bit for bit, at T = 0 and T > 0 (the same draws: the logits are the same)."""
+    grow = HFSampler(tiny_model, tokenizer, prefix_cache=prefix_cache, preallocate_kv=False)
+    pre = HFSampler(tiny_model, tokenizer, prefix_cache=prefix_cache, preallocate_kv=True)
+    contexts = _contexts()
+    for turn in range(3):
+        params = SamplingParams(temperature=temperature, max_tokens=8, top_k_logprobs=3, seed=5 + turn)
+        a, b = grow.sample(contexts, params), pre.sample(contexts, params)
+        assert grow.reused_tokens == pre.reused_tokens and (pre.reused_tokens > 0) == (turn > 0)
+        for x, y in zip(a, b, strict=True):
+            assert x.ids == y.ids and x.finish_reason == y.finish_reason
+            assert x.logprobs == y.logprobs and x.topk_ids == y.topk_ids and x.topk_logprobs == y.topk_logprobs
+        contexts = _next_turns(contexts, b, seed=turn)
+
+
+def test_preallocate_kv_is_a_sampler_key_on_by_default(tiny_model, tokenizer):
+    from turnrl.config import parse_config
+    from turnrl.sampling import SamplerSettings, make_sampler
+
+    for overrides, expected in (({}, True), ({"preallocate_kv": False}, False)):
+        cfg = parse_config({"sampler": overrides})
+        assert make_sampler(SamplerSettings.from_config(cfg.sampler), tiny_model, tokenizer).preallocate_kv is expected

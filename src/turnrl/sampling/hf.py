@@ -50,6 +50,10 @@ class HFSamplerParams(SamplerParams):
     reuse_kv_gib: float = Field(2.0, ge=0)
     """GiB of keys/values kept between calls so a context's next turn does not rerun its
     earlier turns (0: off)."""
+    preallocate_kv: bool = True
+    """Write each new position's keys/values into buffers allocated once per call (the call's
+    width plus ``max_tokens``) instead of growing the cache by concatenation every decode step
+    (False: transformers' growing cache). Same logits bit for bit, so the same tokens at any temperature."""
 
 
 @dataclass
@@ -67,6 +71,92 @@ class _Past:
 def _layer_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (keys, values), each ``[B, H, T, D]``, of a transformers cache."""
     return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _preallocated_layer_class():
+    """:class:`transformers.cache_utils.DynamicLayer` with its keys/values in preallocated buffers (built on first use:
+    this module is imported before transformers is needed)."""
+    global _PREALLOCATED_LAYER
+    if _PREALLOCATED_LAYER is not None:
+        return _PREALLOCATED_LAYER
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """A growing cache layer whose ``[B, H, capacity, D]`` buffers are allocated once (on the first ``update``,
+        or given filled up to ``length``): ``update`` writes the new positions in place and ``keys``/``values`` are
+        views of the filled part. ``DynamicLayer`` concatenates instead, copying the whole cache at every decode
+        step; the views have the shapes and values the concatenation would have."""
+
+        def __init__(self, capacity: int, keys=None, values=None, length: int = 0) -> None:
+            super().__init__()
+            self.capacity, self._buffers, self._length = capacity, None, 0
+            if keys is not None:
+                self.device, self.is_initialized = keys.device, True
+                self._buffers, self._length = (keys, values), length
+                self._view()
+
+        def _view(self) -> None:
+            keys, values = self._buffers
+            self.keys, self.values = keys[:, :, : self._length], values[:, :, : self._length]
+
+        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+            if self._buffers is None:
+                b, h, _, d = key_states.shape
+                self.device, self.is_initialized = key_states.device, True
+                self._buffers = tuple(t.new_empty(b, h, self.capacity, d) for t in (key_states, value_states))
+            keys, values = self._buffers
+            end = self._length + key_states.shape[-2]
+            if end > keys.shape[-2]:  # past the capacity (not expected): grow, as DynamicLayer would
+                grow = [*keys.shape[:2], end - keys.shape[-2], keys.shape[3]]
+                keys = torch.cat([keys, keys.new_zeros(grow)], dim=-2)
+                values = torch.cat([values, values.new_zeros(grow)], dim=-2)
+                self._buffers = (keys, values)
+            keys[:, :, self._length : end] = key_states
+            values[:, :, self._length : end] = value_states
+            self._length = end
+            self._view()
+            return self.keys, self.values
+
+        def crop(self, tokens_to_remove: int) -> None:
+            super().crop(tokens_to_remove)
+            self._length = self.keys.shape[-2]
+
+        def batch_repeat_interleave(self, repeats: int) -> None:
+            raise NotImplementedError("a preallocated cache is built for its batch")
+
+        def batch_select_indices(self, indices: torch.Tensor) -> None:
+            raise NotImplementedError("a preallocated cache is built for its batch")
+
+    _PREALLOCATED_LAYER = PreallocatedLayer
+    return PreallocatedLayer
+
+
+_PREALLOCATED_LAYER = None
+
+
+def _preallocated_cache(capacity: int, filled: list[tuple[torch.Tensor, torch.Tensor]] | None = None, rows: int = 0):
+    """A ``DynamicCache`` of preallocated layers of ``capacity`` positions: empty, or starting with ``filled``
+    (per layer ``[R, H, L, D]`` keys and values; R = 1 is repeated for ``rows`` rows)."""
+    from functools import partial
+
+    from transformers import DynamicCache
+
+    layer = _preallocated_layer_class()
+    cache = DynamicCache()
+    if filled is None:
+        cache.layer_class_to_replicate = partial(layer, capacity)
+        return cache
+    cache.layer_class_to_replicate = None
+    cache.layers = []
+    for keys, values in filled:
+        n = keys.shape[-2]
+        bufs = []
+        for t in (keys, values):
+            buf = t.new_empty(rows or t.shape[0], t.shape[1], capacity, t.shape[3])
+            buf[:, :, :n] = t
+            bufs.append(buf)
+        cache.layers.append(layer(capacity, *bufs, length=n))
+    return cache
 
 
 def _longest_match(ctx: np.ndarray, pasts: list[_Past]) -> tuple[_Past | None, int]:
@@ -133,12 +223,14 @@ class HFSampler:
         stale: bool = False,
         prefix_cache: bool = True,
         reuse_kv_gib: float = 2.0,
+        preallocate_kv: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.batch_size = batch_size
         self.prefix_cache = prefix_cache
         self.reuse_kv_bytes = int(reuse_kv_gib * 2**30)
+        self.preallocate_kv = preallocate_kv
         self._pasts: list[_Past] = []
         self._pasts_key: tuple | None = None
         self.reused_tokens = 0
@@ -153,7 +245,12 @@ class HFSampler:
     def from_config(cls, model, tokenizer, settings: SamplerSettings, *, stale: bool = False) -> HFSampler:
         """The ``hf`` entry of the sampler registry (``settings``: the run's sampler settings)."""
         return cls(
-            model, tokenizer, batch_size=settings.batch_size, stale=stale, reuse_kv_gib=settings.params.reuse_kv_gib
+            model,
+            tokenizer,
+            batch_size=settings.batch_size,
+            stale=stale,
+            reuse_kv_gib=settings.params.reuse_kv_gib,
+            preallocate_kv=settings.params.preallocate_kv,
         )
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:
@@ -238,13 +335,21 @@ class HFSampler:
             attention[row, cache_width - k : cache_width] = 1
             input_ids[row, width - (len(ctx) - k) :] = torch.tensor(ctx[k:], dtype=torch.long)
             attention[row, width - (len(ctx) - k) :] = 1
+        # positions the call's cache will hold: the cached width, the rows' rest, the new tokens
+        capacity = width + params.max_tokens if self.preallocate_kv else None
         if reuse:
-            extra[CACHE_KWARG] = self._assemble(matches, cache_width, device)
+            extra[CACHE_KWARG] = self._assemble(matches, cache_width, device, capacity)
         elif cache_width:
-            prefix = self.model(input_ids=input_ids[:1, :cache_width].to(device), use_cache=True)
+            # logits only at the last position: the prefix's own logits are never used
+            prefix = self.model(input_ids=input_ids[:1, :cache_width].to(device), use_cache=True, logits_to_keep=1)
             cache = getattr(prefix, CACHE_KWARG)
-            cache.batch_repeat_interleave(len(contexts))
+            if capacity is None:
+                cache.batch_repeat_interleave(len(contexts))
+            else:
+                cache = _preallocated_cache(capacity, _layer_kv(cache), len(contexts))
             extra[CACHE_KWARG] = cache
+        elif capacity is not None:  # nothing cached: each layer's buffers are allocated by its first update
+            extra[CACHE_KWARG] = _preallocated_cache(capacity)
         greedy = params.temperature == 0
         rows = _RowDraws(params, device) if params.row_seeds is not None and not greedy else None
         if rows is not None:  # the warpers and the draw are ours: generate takes the argmax of scores + noise
@@ -286,19 +391,29 @@ class HFSampler:
             self._remember(arrays, samples, getattr(gen, CACHE_KWARG), attention, width)
         return samples
 
-    def _assemble(self, matches: list[tuple[_Past, int]], width: int, device) -> object:
-        """One batch cache of ``width`` positions: row r's kept keys/values (its first m_r) right-aligned."""
+    def _assemble(self, matches: list[tuple[_Past, int]], width: int, device, capacity: int | None = None) -> object:
+        """One batch cache of ``width`` positions: row r's kept keys/values (its first m_r) right-aligned, the left
+        padding zero; with ``capacity``, in preallocated buffers of that many positions."""
         from transformers import DynamicCache
 
         cache = DynamicCache()
+        layers = []
         for layer in range(len(matches[0][0].kv)):
             k0 = matches[0][0].kv[layer][0]
-            keys = k0.new_zeros(len(matches), k0.shape[0], width, k0.shape[2], device=device)
-            values = torch.zeros_like(keys)
+            size = width if capacity is None else capacity
+            keys = k0.new_empty(len(matches), k0.shape[0], size, k0.shape[2], device=device)
+            values = torch.empty_like(keys)
+            keys[:, :, :width] = 0
+            values[:, :, :width] = 0
             for row, (past, m) in enumerate(matches):
-                keys[row, :, width - m :] = past.kv[layer][0][:, :m]
-                values[row, :, width - m :] = past.kv[layer][1][:, :m]
-            cache.update(keys, values, layer)
+                keys[row, :, width - m : width] = past.kv[layer][0][:, :m]
+                values[row, :, width - m : width] = past.kv[layer][1][:, :m]
+            if capacity is None:
+                cache.update(keys, values, layer)
+            else:
+                layers.append(_preallocated_layer_class()(capacity, keys, values, length=width))
+        if capacity is not None:
+            cache.layers, cache.layer_class_to_replicate = layers, None
         return cache
 
     def _remember(self, contexts: list[np.ndarray], samples: list[Sample], cache, attention, width: int) -> None:
