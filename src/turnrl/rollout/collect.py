@@ -19,6 +19,11 @@ environment's ``failure_reward``, stop reason ``MALFORMED``, episode metric
 ``env_error`` and the exception as the turn's observation (logged once per
 environment class and exception type). Errors anywhere else still raise.
 
+Seeds: by default a call's draws come from one seed per turn (and the sampler's batch chunk).
+With ``task_seeds`` each draw is seeded from (seed, task index, branch, turn) (:func:`row_seed`),
+so a task's episodes are the same whichever other tasks share the call; ``first_task`` numbers a
+share of a step's tasks as in the whole step (several processes each collect a share).
+
 Every turn records the state key the environment gave before it acted
 (``Turn.state_key``) and the provenance of its context tokens
 (``Turn.prompt_sources``). Every finished episode is checked against the record
