@@ -1,0 +1,62 @@
+"""One process's collection with per-call seeds (its default) and with task seeds (what sharded collection
+uses), same process, interleaved.
+
+One training batch of the main job (``configs/number_guess_cpu.yaml``) is collected by the HF
+sampler with ``rollout.task_seeds`` false (one seed per sampler call and batch chunk, transformers'
+multinomial draw) and true (each row drawn from its own generator: Gumbel-max over the warped
+scores, one vocabulary-sized noise draw per row and token), alternating, ``--rounds`` times each.
+Prints the median seconds and the ratio: the cost of making a task's draws independent of the
+process that collects it. (The speed-up of N processes needs N devices; on this machine's 2 shared
+cores it is not measured.) Run: ``python benchmarks/bench_task_seeds.py [--rounds 2]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from turnrl.chat import ChatTemplate
+from turnrl.config import load_config
+from turnrl.envs.splits import TaskSource
+from turnrl.sampling.hf import HFSampler
+from turnrl.train.checkpoint import RunState
+from turnrl.train.loop import collect_batch
+from turnrl.train.policy import PolicySettings, build_policy
+from turnrl.train.run import RunSettings
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default=str(ROOT / "configs/number_guess_cpu.yaml"))
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    cfg = load_config(args.config)
+    model, tok = build_policy(PolicySettings.from_config(cfg), None, 0)
+    chat = ChatTemplate(tok, cfg.model.chat_template_kwargs, exclude_think=cfg.credit.exclude_think)
+    tasks = TaskSource.from_config(cfg).tasks("train")
+    times: dict[bool, list[float]] = {False: [], True: []}
+    tokens: dict[bool, int] = {}
+    for _ in range(args.rounds):
+        for on in (False, True):
+            cfg.rollout.task_seeds = on
+            sampler = HFSampler(model, tok, batch_size=cfg.sampler.batch_size)
+            t0 = time.perf_counter()
+            eps, _ = collect_batch(RunSettings.from_config(cfg), tasks, RunState(), sampler, chat)
+            times[on].append(time.perf_counter() - t0)
+            print(f"task_seeds {on}: {times[on][-1]:.2f} s", flush=True)
+            tokens[on] = sum(len(t.action_ids) for ep in eps for t in ep.turns)
+    off, on = statistics.median(times[False]), statistics.median(times[True])
+    print(f"main job batch, embedded model, CPU, {torch.get_num_threads()} threads, {args.rounds} rounds")
+    print(f"per-call seeds: {off:.2f} s ({tokens[False]} sampled tokens)")
+    print(f"task seeds:     {on:.2f} s ({tokens[True]} sampled tokens)")
+    print(f"time per sampled token, task seeds / per-call seeds: {(on / tokens[True]) / (off / tokens[False]):.2f}x")
+
+
+if __name__ == "__main__":
+    main()
