@@ -11,34 +11,21 @@ Run: ``python benchmarks/bench_turn_cache.py [--rounds 2]``.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from pathlib import Path
 
 import torch
+from _common import load_main_job, parse_args  # the script's directory is on sys.path
 
-from turnrl.chat import ChatTemplate
-from turnrl.config import load_config
-from turnrl.envs.splits import TaskSource
 from turnrl.sampling.hf import HFSampler
 from turnrl.train.checkpoint import RunState
 from turnrl.train.loop import collect_batch
-from turnrl.train.policy import PolicySettings, build_policy
 from turnrl.train.run import RunSettings
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(ROOT / "configs/number_guess_cpu.yaml"))
-    ap.add_argument("--rounds", type=int, default=2)
-    args = ap.parse_args()
-    cfg = load_config(args.config)
-    model, tok = build_policy(PolicySettings.from_config(cfg), None, 0)
-    chat = ChatTemplate(tok, cfg.model.chat_template_kwargs, exclude_think=cfg.credit.exclude_think)
-    tasks = TaskSource.from_config(cfg).tasks("train")
+    args = parse_args(__doc__)
+    cfg, model, tok, chat, tasks = load_main_job(args.config)
     times: dict[float, list[float]] = {2.0: [], 0.0: []}
     episodes, reused = {}, {}
     for _ in range(args.rounds):
