@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 from collections.abc import Callable
@@ -142,3 +143,20 @@ def wait_until_healthy(
         if time.monotonic() > deadline:
             pytest.fail(f"{name} was not healthy within {timeout_s} s: {log()}")
         time.sleep(poll_s)
+
+
+def join_gloo(rank: int, world: int, port: int) -> None:
+    """In a spawned test worker: the launcher's rendezvous variables for ``rank`` of ``world`` on
+    127.0.0.1:``port``, one torch thread, then the project's process-group set-up (gloo on CPU)."""
+    from turnrl.train import distributed
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        OMP_NUM_THREADS="1",
+    )
+    torch.set_num_threads(1)
+    distributed.setup()

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from factories import random_episode, set_advantages
+from factories import join_gloo, random_episode, set_advantages
 from turnrl.config import parse_config
 from turnrl.tracking import read_csv
 from turnrl.train import distributed
@@ -95,16 +95,7 @@ def _one_step(trainer, cfg, rows) -> dict:
 def _worker(rank: int, world: int, port: int, out: str, names: list[str], fsdp: bool) -> None:
     if fsdp:
         os.environ["ACCELERATE_USE_FSDP"] = "true"
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
-    distributed.setup()
+    join_gloo(rank, world, port)
     results = {}
     for name in names:
         cfg, rows = _case(name)

@@ -12,13 +12,13 @@ batch it was computed in); gradients and weights with the tolerances of ``test_d
 from __future__ import annotations
 
 import math
-import os
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from factories import join_gloo
 from test_distributed import GRAD_SCALE_TOL, METRIC_TOL, WEIGHT_ATOL, _free_port
 from toy_envs import CountEnv, EarlyEndEnv
 from turnrl.chat import ChatTemplate
@@ -113,17 +113,8 @@ def _train_steps(cfg) -> dict:
 
 
 def _worker(rank: int, world: int, port: int, out: str) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        WORLD_SIZE=str(world),
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        OMP_NUM_THREADS="1",
-    )
-    torch.set_num_threads(1)
     _register()
-    distributed.setup()
+    join_gloo(rank, world, port)
     local: list[list[str]] = []  # the episode ids this rank collected itself, per collect call
     gather = distributed.gather_episodes
 
