@@ -21,6 +21,10 @@ padding masked, so positions are those of the unpadded rows (the same layout as 
 shared prefix). Kept keys/values are dropped when the weights change (a refresh, or
 any in-place update of the trainable tensors, seen by their version counters).
 
+Generation with the LoRA merged (``merge_lora``, ``turnrl.sampling.merged_lora``) and the sampler's own draw
+at T > 0 (``turnrl.sampling.draws``: the inverse CDF at one uniform per row, per-row seeds for
+``SamplingParams.row_seeds``).
+
 Staleness: with ``stale=True`` the sampler keeps its own snapshot of the
 trainable (LoRA) weights, taken at each :meth:`refresh`, and swaps it in while
 generating, so rollouts come from the policy of the last refresh
