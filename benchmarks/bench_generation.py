@@ -4,10 +4,17 @@ Workload: one training batch of ``configs/number_guess_cpu.yaml`` (3 tasks × 8 
 guessing, ≤ 6 turns, ≤ 16 new tokens a turn, the embedded SmolLM2-135M with its fresh LoRA), collected
 by ``turnrl.train.loop.collect_batch`` with the step-0 seeds, a fresh sampler each time:
 
-- ``grow``: ``HFSampler(preallocate_kv=False)``: transformers' growing cache (a ``cat`` of the whole
-  cache per layer at every decode step), the sampler before issue 21;
-- ``prealloc``: ``HFSampler(preallocate_kv=True)`` (the default): keys/values written in place into
-  buffers allocated once per call, and logits only at the last position of the shared-prefix forward;
+- ``grow``: ``HFSampler(preallocate_kv=False, merge_lora=False)`` drawing with ``torch.multinomial``:
+  transformers' growing cache (a ``cat`` of the whole cache per layer at every decode step), peft's LoRA
+  forward and multinomial's draw (one exponential per vocabulary entry and row), the sampler before issue 21;
+- ``prealloc``: the same with ``preallocate_kv=True``: keys/values written in place into buffers allocated
+  once per call, and logits only at the last position of the shared-prefix forward;
+- ``merged``: ``prealloc`` with the LoRA merged into the base weights while generating (``merge_lora``), still
+  drawing with multinomial: the same draws as ``prealloc`` wherever the rounding of the merge moves no token
+  across a draw's threshold, so nearly the same episodes (how many are the same is printed);
+- ``fast``: ``HFSampler()`` as it is now by default: ``prealloc`` plus the inverse-CDF draw (one uniform per
+  row) and the LoRA merged into the base weights while generating (``merge_lora``); exact in distribution,
+  its own draws (so its episodes are not grow's: their tokens and turns are counted);
 - ``vllm``: ``sampler.backend: vllm`` (the CPU build), only where ``vllm`` imports in this interpreter
   (``/work/main/.venv-vllm/bin/python``); its engine start is timed separately, outside the rounds.
 
@@ -41,7 +48,8 @@ import torch
 from turnrl.chat import ChatTemplate
 from turnrl.config import load_config
 from turnrl.envs.splits import TaskSource
-from turnrl.sampling import SamplerSettings, make_sampler
+from turnrl.sampling import SamplerSettings, hf, make_sampler
+from turnrl.sampling.draws import InverseCDFDraws
 from turnrl.sampling.hf import HFSampler
 from turnrl.train.checkpoint import RunState
 from turnrl.train.loop import collect_batch
@@ -89,6 +97,27 @@ class DecodeTimer:
         self.steps, self.seconds, self.rows = 0, 0.0, 0
 
 
+class MultinomialDraws(InverseCDFDraws):
+    """The draw of transformers' ``do_sample`` (``torch.multinomial`` over softmax(scores)), from the call's
+    generator: what the HF sampler drew with before its inverse-CDF draw, for the ``grow``/``prealloc`` arms."""
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.scores.append(scores)
+        token = torch.multinomial(scores.float().softmax(-1), 1, generator=self.generators[0])
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
+
+
+class OldDrawSampler(HFSampler):
+    """An ``HFSampler`` drawing with :class:`MultinomialDraws`."""
+
+    def _generate(self, *args, **kwargs):
+        hf.InverseCDFDraws = MultinomialDraws
+        try:
+            return super()._generate(*args, **kwargs)
+        finally:
+            hf.InverseCDFDraws = InverseCDFDraws
+
+
 def collect(cfg, tasks, sampler, chat):
     torch.manual_seed(0)
     t = time.perf_counter()
@@ -129,9 +158,12 @@ def main() -> None:
     elif not args.no_vllm:
         print("vllm: skipped (not importable here); run this script with /work/main/.venv-vllm/bin/python for that arm")
 
+    batch = cfg.sampler.batch_size
     arms = {
-        "grow": lambda: HFSampler(model, tok, batch_size=cfg.sampler.batch_size, preallocate_kv=False),
-        "prealloc": lambda: HFSampler(model, tok, batch_size=cfg.sampler.batch_size, preallocate_kv=True),
+        "grow": lambda: OldDrawSampler(model, tok, batch_size=batch, preallocate_kv=False, merge_lora=False),
+        "prealloc": lambda: OldDrawSampler(model, tok, batch_size=batch, preallocate_kv=True, merge_lora=False),
+        "merged": lambda: OldDrawSampler(model, tok, batch_size=batch),
+        "fast": lambda: HFSampler(model, tok, batch_size=batch),
     }
     if vllm_sampler is not None:
         arms["vllm"] = lambda: vllm_sampler
@@ -166,10 +198,14 @@ def main() -> None:
             d = statistics.median(decode[k])
             dec = f"; decode step {d * 1e3:.0f} ms = {bound / d:.0%} of the bandwidth bound"
         print(f"  {k:8s} {v:6.2f} s{dec}")
-    print(f"  grow / prealloc {med['grow'] / med['prealloc']:.2f}x")
+    print(f"  grow / prealloc {med['grow'] / med['prealloc']:.2f}x   grow / fast {med['grow'] / med['fast']:.2f}x")
     if "vllm" in med:
         print(f"  grow / vllm {med['grow'] / med['vllm']:.2f}x   prealloc / vllm {med['prealloc'] / med['vllm']:.2f}x")
     print(f"same episodes, tokens and log-probs (grow vs prealloc): {got['grow'] == got['prealloc']}")
+    same = sum(
+        [ids for ids, _ in a] == [ids for ids, _ in b] for a, b in zip(got["prealloc"], got["merged"], strict=True)
+    )
+    print(f"episodes with the same tokens (prealloc vs merged): {same} of {len(got['merged'])}")
 
 
 if __name__ == "__main__":

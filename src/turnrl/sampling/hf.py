@@ -21,6 +21,10 @@ padding masked, so positions are those of the unpadded rows (the same layout as 
 shared prefix). Kept keys/values are dropped when the weights change (a refresh, or
 any in-place update of the trainable tensors, seen by their version counters).
 
+Generation with the LoRA merged (``merge_lora``, ``turnrl.sampling.merged_lora``) and the sampler's own draw
+at T > 0 (``turnrl.sampling.draws``: the inverse CDF at one uniform per row, per-row seeds for
+``SamplingParams.row_seeds``).
+
 Staleness: with ``stale=True`` the sampler keeps its own snapshot of the
 trainable (LoRA) weights, taken at each :meth:`refresh`, and swaps it in while
 generating, so rollouts come from the policy of the last refresh
@@ -29,6 +33,7 @@ generating, so rollouts come from the policy of the last refresh
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -38,6 +43,8 @@ from pydantic import Field
 
 from turnrl.chat import end_of_turn_ids
 from turnrl.sampling.base import SamplerParams
+from turnrl.sampling.draws import InverseCDFDraws
+from turnrl.sampling.merged_lora import MergedLoRA
 from turnrl.types import Message, Sample, SamplingParams
 
 if TYPE_CHECKING:
@@ -54,6 +61,9 @@ class HFSamplerParams(SamplerParams):
     """Write each new position's keys/values into buffers allocated once per call (the call's
     width plus ``max_tokens``) instead of growing the cache by concatenation every decode step
     (False: transformers' growing cache). Same logits bit for bit, so the same tokens at any temperature."""
+    merge_lora: bool = True
+    """Generate with each LoRA adapter merged into its base weight (``turnrl.sampling.merged_lora``): one matmul
+    per layer instead of three; the log-probs equal the trainer's within float rounding (False: peft's LoRA forward)."""
 
 
 @dataclass
@@ -182,35 +192,6 @@ def common_prefix_length(rows: list[list[int]]) -> int:
     return n
 
 
-class _RowDraws:
-    """Sampling with one random stream per row (``SamplingParams.row_seeds``), so that a row's tokens do not
-    depend on the other rows of the batch.
-
-    transformers' own warpers (temperature, top-p) process the scores, which are kept as the sampling
-    distribution; the token is then the argmax of scores + Gumbel noise drawn from the row's own generator,
-    a draw from softmax(scores) (the Gumbel-max trick). ``generate`` runs greedy on the noisy scores.
-    """
-
-    def __init__(self, params: SamplingParams, device) -> None:
-        from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-
-        self.generators = [torch.Generator(device=device).manual_seed(s) for s in params.row_seeds or ()]
-        self.scores: list[torch.Tensor] = []
-        warpers: list = []
-        if params.temperature != 1.0:
-            warpers.append(TemperatureLogitsWarper(params.temperature))
-        if params.top_p < 1.0:
-            warpers.append(TopPLogitsWarper(params.top_p))
-        self.processors = LogitsProcessorList([*warpers, self])
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        self.scores.append(scores)
-        noise = torch.stack(
-            [torch.empty(scores.shape[-1], device=scores.device).exponential_(generator=g) for g in self.generators]
-        )
-        return scores - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()  # -log(Exp(1)) is Gumbel(0, 1)
-
-
 class HFSampler:
     MIN_SHARED_PREFIX = 16
     """Shorter common prefixes are not worth a separate forward pass."""
@@ -224,6 +205,7 @@ class HFSampler:
         prefix_cache: bool = True,
         reuse_kv_gib: float = 2.0,
         preallocate_kv: bool = True,
+        merge_lora: bool = True,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -231,6 +213,7 @@ class HFSampler:
         self.prefix_cache = prefix_cache
         self.reuse_kv_bytes = int(reuse_kv_gib * 2**30)
         self.preallocate_kv = preallocate_kv
+        self._merged = MergedLoRA() if merge_lora else None
         self._pasts: list[_Past] = []
         self._pasts_key: tuple | None = None
         self.reused_tokens = 0
@@ -251,6 +234,7 @@ class HFSampler:
             stale=stale,
             reuse_kv_gib=settings.params.reuse_kv_gib,
             preallocate_kv=settings.params.preallocate_kv,
+            merge_lora=settings.params.merge_lora,
         )
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:
@@ -292,13 +276,16 @@ class HFSampler:
                 params_by_name[n].data.copy_(t)
         was_training = self.model.training
         self.model.eval()
+        merged = self._merged.applied(self.model, weights_key) if self._merged is not None else nullcontext()
         try:
-            for start in range(0, len(contexts), self.batch_size):
-                chunk = contexts[start : start + self.batch_size]
-                chunk_params = params
-                if params.row_seeds is not None:  # each row keeps its own seed
-                    chunk_params = replace(params, row_seeds=params.row_seeds[start : start + self.batch_size])
-                out += self._generate(chunk, chunk_params, seed=params.seed * 100_003 + start, previous=previous)
+            with merged:
+                for start in range(0, len(contexts), self.batch_size):
+                    chunk = contexts[start : start + self.batch_size]
+                    chunk_params = params
+                    if params.row_seeds is not None:  # each row keeps its own seed
+                        chunk_params = replace(params, row_seeds=params.row_seeds[start : start + self.batch_size])
+                    seed = params.seed * 100_003 + start
+                    out += self._generate(chunk, chunk_params, seed=seed, previous=previous)
         finally:
             if current is not None:
                 for n, t in current.items():
@@ -350,28 +337,27 @@ class HFSampler:
             extra[CACHE_KWARG] = cache
         elif capacity is not None:  # nothing cached: each layer's buffers are allocated by its first update
             extra[CACHE_KWARG] = _preallocated_cache(capacity)
-        greedy = params.temperature == 0
-        rows = _RowDraws(params, device) if params.row_seeds is not None and not greedy else None
-        if rows is not None:  # the warpers and the draw are ours: generate takes the argmax of scores + noise
-            extra["logits_processor"] = rows.processors
-        torch.manual_seed(seed)
+        # T > 0: the warpers and the draw are ours (InverseCDFDraws); generate runs greedy on what they return
+        draws = InverseCDFDraws(params, device, seed) if params.temperature > 0 else None
+        if draws is not None:
+            extra["logits_processor"] = draws.processors
         gen = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention.to(device),
-            do_sample=not greedy and rows is None,
-            temperature=None if greedy or rows else params.temperature,
-            top_p=None if greedy or rows else params.top_p,
+            do_sample=False,
+            temperature=None,
+            top_p=None,
             top_k=None,
             max_new_tokens=params.max_tokens,
             eos_token_id=self.stop_ids,
             pad_token_id=pad,
-            output_scores=rows is None,
+            output_scores=draws is None,
             return_dict_in_generate=True,
             **extra,
         )
         new_tokens = gen.sequences[:, width:].cpu()
         # scores: one [B, V] tensor per generated position, after temperature/top-p processing
-        scores = rows.scores if rows is not None else gen.scores
+        scores = draws.scores if draws is not None else gen.scores
         logprobs = torch.stack([s.float().log_softmax(-1) for s in scores], dim=1).cpu()
         samples = []
         for row in range(len(contexts)):
