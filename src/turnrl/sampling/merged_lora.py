@@ -21,8 +21,17 @@ from contextlib import contextmanager
 import torch
 
 
+def _plain_weight(layer) -> bool:
+    """Whether the layer's base weight is an ordinary local tensor. A sharded one (FSDP's DTensor, all-gathered by
+    hooks at each forward) is not merged: its layer keeps peft's forward."""
+    from torch.distributed.tensor import DTensor
+
+    weight = getattr(layer.get_base_layer(), "weight", None)
+    return isinstance(weight, torch.Tensor) and not isinstance(weight, DTensor) and not isinstance(weight.data, DTensor)
+
+
 def lora_layers(model: torch.nn.Module) -> list:
-    """The model's unmerged, enabled peft LoRA layers over a weight (empty for a model without LoRA)."""
+    """The model's unmerged, enabled peft LoRA layers over a plain local weight (empty for a model without LoRA)."""
     try:
         from peft.tuners.lora import LoraLayer
     except ImportError:  # peft absent: no LoRA layers
@@ -33,7 +42,7 @@ def lora_layers(model: torch.nn.Module) -> list:
         if isinstance(m, LoraLayer)
         and not m.merged
         and not m.disable_adapters
-        and hasattr(m.get_base_layer(), "weight")
+        and _plain_weight(m)
         and any(a in m.lora_A for a in m.active_adapters)
     ]
 
