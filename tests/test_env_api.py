@@ -124,10 +124,11 @@ def test_env_classes_load_by_module_path():
 
 def test_async_env_trains_one_step(tmp_path):
     AsyncEchoEnv.max_in_flight = 0
-    train(_config(tmp_path, "async", AsyncEchoEnv.name))
+    # groups of 4: a reward (the reply's parity) that varies within some group, whatever the draws
+    train(_config(tmp_path, "async", AsyncEchoEnv.name, rollout={"group_size": 4}, train={"micro_batch_size": 8}))
     _trained_one_step(tmp_path, "async")
-    assert AsyncEchoEnv.max_in_flight == 4  # the 2 tasks × 2 episodes stepped together, not one by one
-    assert [ep.num_turns for ep in _episodes(tmp_path, "async")] == [2] * 4
+    assert AsyncEchoEnv.max_in_flight == 8  # the 2 tasks × 4 episodes stepped together, not one by one
+    assert [ep.num_turns for ep in _episodes(tmp_path, "async")] == [2] * 8
 
 
 def test_tool_env_trains_one_step(tmp_path):
