@@ -2,9 +2,9 @@
 uses), same process, interleaved.
 
 One training batch of the main job (``configs/number_guess_cpu.yaml``) is collected by the HF
-sampler with ``rollout.task_seeds`` false (one seed per sampler call and batch chunk, transformers'
-multinomial draw) and true (each row drawn from its own generator: Gumbel-max over the warped
-scores, one vocabulary-sized noise draw per row and token), alternating, ``--rounds`` times each.
+sampler with ``rollout.task_seeds`` false (one generator per sampler call and batch chunk) and true
+(each row's uniforms from its own generator), both with the sampler's inverse-CDF draw
+(``turnrl.sampling.draws``), alternating, ``--rounds`` times each.
 Prints the median seconds and the ratio: the cost of making a task's draws independent of the
 process that collects it. (The speed-up of N processes needs N devices; on this machine's 2 shared
 cores it is not measured.) Run: ``python benchmarks/bench_task_seeds.py [--rounds 2]``.
