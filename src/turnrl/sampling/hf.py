@@ -195,6 +195,8 @@ def common_prefix_length(rows: list[list[int]]) -> int:
 class HFSampler:
     MIN_SHARED_PREFIX = 16
     """Shorter common prefixes are not worth a separate forward pass."""
+    DRAWS = InverseCDFDraws
+    """The draw at T > 0 (a logits processor built per call; a subclass may draw otherwise)."""
 
     def __init__(
         self,
@@ -337,8 +339,8 @@ class HFSampler:
             extra[CACHE_KWARG] = cache
         elif capacity is not None:  # nothing cached: each layer's buffers are allocated by its first update
             extra[CACHE_KWARG] = _preallocated_cache(capacity)
-        # T > 0: the warpers and the draw are ours (InverseCDFDraws); generate runs greedy on what they return
-        draws = InverseCDFDraws(params, device, seed) if params.temperature > 0 else None
+        # T > 0: the warpers and the draw are ours (DRAWS); generate runs greedy on what they return
+        draws = self.DRAWS(params, device, seed) if params.temperature > 0 else None
         if draws is not None:
             extra["logits_processor"] = draws.processors
         gen = self.model.generate(
