@@ -54,3 +54,27 @@ def test_comparison_prints_the_difference_with_its_standard_error():
     cells = {row: [c._cells[i] for c in table.columns] for i, row in enumerate(["success", "reward", "turns", "mal"])}
     assert cells["success"][3] == "+15.0% ± 5.0% (+3.0 SE)"  # sqrt(0.03² + 0.04²) = 0.05
     assert cells["success"][1] == "40.0% ± 3.0%"
+
+
+def test_wellformed_success_rate_leaves_malformed_games_out():
+    # task A sampled: win, loss, malformed, win; task B sampled: malformed, loss; greedy A: win
+    def game(task: str, k: int, reason: StopReason, sampled: bool = True) -> Episode:
+        eid = f"eval-{'sampled-' if sampled else ''}g0-e{k}-{task}"
+        return Episode(eid, task, [], 0.0, True, False, stop_reason=reason)
+
+    S, F, M = StopReason.SUCCESS, StopReason.FAILURE, StopReason.MALFORMED
+    games = [game("A", 0, S, sampled=False)]
+    games += [game("A", k, r) for k, r in enumerate([S, F, M, S])]
+    games += [game("B", k, r) for k, r in enumerate([M, F])]
+    m = summarize(games)
+    assert m["success_rate"] == pytest.approx(3 / 7)
+    assert m["malformed_rate"] == pytest.approx(2 / 7)
+    assert m["num_wellformed"] == 5
+    assert m["wellformed_success_rate"] == pytest.approx(3 / 5)  # A greedy S; A sampled S, F, S; B sampled F
+    # strata over the 5 well-formed games: A-sampled [1, 0, 1] (var 1/3), the others single games
+    assert m["wellformed_success_rate_se"] == pytest.approx(math.sqrt((3 / 5) ** 2 * (1 / 3) / 3))
+
+
+def test_wellformed_success_rate_is_nan_when_every_game_is_malformed():
+    games = [Episode(f"eval-g0-e0-{t}", t, [], -2.0, True, False, stop_reason=StopReason.MALFORMED) for t in "AB"]
+    assert math.isnan(summarize(games)["wellformed_success_rate"])

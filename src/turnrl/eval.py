@@ -15,7 +15,7 @@ from turnrl.rollout.collect import RolloutSettings, collect
 from turnrl.sampling.base import Sampler
 from turnrl.types import Episode, SamplingParams, StopReason, Task
 
-EVAL_METRICS = ("success_rate", "mean_reward", "mean_turns", "malformed_rate")
+EVAL_METRICS = ("success_rate", "mean_reward", "mean_turns", "malformed_rate", "wellformed_success_rate")
 
 
 @dataclass
@@ -72,17 +72,24 @@ def _stratified_se(values: dict[tuple[str, str], list[float]], n: int) -> float:
 
 
 def summarize(episodes: list[Episode]) -> dict[str, float]:
-    """Success rate, mean reward (with standard errors), mean turns, malformed rate of evaluation games.
+    """Success rate, mean reward (with standard errors), mean turns, malformed rate of evaluation games,
+    and the success rate of the well-formed games (those not ended by a malformed reply): the
+    strategy with the answer format taken out (its SE is conditional on which games were well-formed).
 
     Games whose id contains ``-sampled-`` are the sampled ones (see :func:`evaluate`).
     """
     n = max(len(episodes), 1)
     success: dict[tuple[str, str], list[float]] = {}
     reward: dict[tuple[str, str], list[float]] = {}
+    wellformed: dict[tuple[str, str], list[float]] = {}
     for e in episodes:
         key = (e.task_id, "sampled" if "-sampled-" in e.episode_id else "greedy")
-        success.setdefault(key, []).append(float(e.stop_reason == StopReason.SUCCESS))
+        won = float(e.stop_reason == StopReason.SUCCESS)
+        success.setdefault(key, []).append(won)
         reward.setdefault(key, []).append(e.reward)
+        if e.stop_reason != StopReason.MALFORMED:
+            wellformed.setdefault(key, []).append(won)
+    n_wellformed = sum(len(xs) for xs in wellformed.values())
     return {
         "success_rate": sum(e.stop_reason == StopReason.SUCCESS for e in episodes) / n,
         "success_rate_se": _stratified_se(success, n),
@@ -90,7 +97,10 @@ def summarize(episodes: list[Episode]) -> dict[str, float]:
         "mean_reward_se": _stratified_se(reward, n),
         "mean_turns": sum(e.num_turns for e in episodes) / n,
         "malformed_rate": sum(e.stop_reason == StopReason.MALFORMED for e in episodes) / n,
+        "wellformed_success_rate": sum(map(sum, wellformed.values())) / n_wellformed if n_wellformed else math.nan,
+        "wellformed_success_rate_se": _stratified_se(wellformed, n_wellformed) if n_wellformed else math.nan,
         "num_tasks": float(len(episodes)),
+        "num_wellformed": float(n_wellformed),
     }
 
 

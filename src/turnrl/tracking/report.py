@@ -74,7 +74,9 @@ _COMPARE = (  # key, name, is a rate, which direction is better (None: neither)
     ("mean_reward", "mean reward", False, 1),
     ("mean_turns", "mean turns", False, None),
     ("malformed_rate", "malformed rate", True, -1),
+    ("wellformed_success_rate", "success of well-formed games", True, 1),
 )
+_DENOMINATOR = {"wellformed_success_rate": "num_wellformed"}  # a rate's games, if not all of them
 
 
 # ----------------------------------------------------------------------------- episodes
@@ -297,7 +299,7 @@ def _wilson(p: float, n: float, z: float = 1.96) -> tuple[float, float]:
 def _rate_cell(row: Mapping[str, Any], key: str, pct: bool) -> str:
     value = row.get(key)
     text = _fmt(value, pct)
-    n = row.get("num_tasks")
+    n = row.get(_DENOMINATOR.get(key, "num_tasks"))
     if pct and isinstance(value, float) and isinstance(n, float) and n > 0 and 0 <= value <= 1:
         lo, hi = _wilson(value, n)
         text += f' <span class="ci">[{100 * lo:.0f}–{100 * hi:.0f}%]</span>'
@@ -324,7 +326,7 @@ def _comparison_html(evals: list[dict[str, Any]]) -> str:
         cells = "".join(f"<td>{_rate_cell(row, key, pct)}</td>" for row, _ in cols)
         if len(cols) == 2:
             a, b = cols[0][0].get(key), cols[1][0].get(key)
-            if isinstance(a, float) and isinstance(b, float):
+            if isinstance(a, float) and isinstance(b, float) and math.isfinite(b - a):
                 d = b - a
                 cls = "" if not better or d == 0 else ("up" if d * better > 0 else "down")
                 text = f"{100 * abs(d):.1f} pp" if pct else _fmt(abs(d))

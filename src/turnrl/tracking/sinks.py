@@ -236,6 +236,7 @@ _EVAL_ROWS = (
     ("mean_reward", "mean reward", False),
     ("mean_turns", "mean turns", False),
     ("malformed_rate", "malformed rate", True),
+    ("wellformed_success_rate", "well-formed success", True),
     ("num_tasks", "tasks", False),
 )
 
