@@ -49,6 +49,7 @@ class _MockVLLM:
         self.requests: list[tuple[str, dict]] = []
         self.fail_first, self.delay = fail_first, delay
         self.inflight = self.max_inflight = 0
+        self.loaded: set[str] = set()  # adapter names, refused as vLLM does: a name twice, or unknown
         self.lock = threading.Lock()
         mock = self
 
@@ -79,7 +80,7 @@ class _MockVLLM:
                 try:
                     time.sleep(mock.delay)
                     if self.path.endswith("_lora_adapter"):
-                        return self._reply(200, "Success", text=True)
+                        return self._reply(*mock.lora(self.path, body["lora_name"]))
                     self._reply(200, mock.completion(body))
                 finally:
                     with mock.lock:
@@ -113,6 +114,18 @@ class _MockVLLM:
                 }
             ],
         }
+
+    def lora(self, path: str, name: str) -> tuple:
+        with self.lock:
+            if path.endswith("/load_lora_adapter"):
+                if name in self.loaded:
+                    return 400, {"error": {"message": f"The lora adapter '{name}' has already been loaded."}}
+                self.loaded.add(name)
+            elif name not in self.loaded:
+                return 404, {"error": {"message": f"The lora adapter '{name}' cannot be found."}}
+            else:
+                self.loaded.discard(name)
+        return 200, "Success", True
 
     def completions(self) -> list[dict]:
         return [b for p, b in self.requests if p.endswith("/completions")]
@@ -217,23 +230,24 @@ def test_stale_sampler_loads_a_new_adapter_per_version(mock, policy, tokenizer, 
     assert mock.lora_calls() == [] and sampler.adapter_name is None
     weights = perturb_lora(policy, 1)
     sampler.refresh(weights)
-    assert mock.lora_calls() == [
-        ("load_lora_adapter", {"lora_name": "turnrl-v2", "lora_path": str(tmp_path / "turnrl-v2")})
-    ]
-    saved = load_file(str(tmp_path / "turnrl-v2" / "adapter_model.safetensors"))
+    v2, v3 = f"{sampler.prefix}-v2", f"{sampler.prefix}-v3"
+    assert sampler.prefix.startswith("turnrl-")  # adapter_prefix, then this sampler's own id
+    assert mock.lora_calls() == [("load_lora_adapter", {"lora_name": v2, "lora_path": str(tmp_path / v2)})]
+    saved = load_file(str(tmp_path / v2 / "adapter_model.safetensors"))
     lora_b = {n.replace(".default", ""): t for n, t in weights.items() if "lora_B" in n}
     assert set(saved) >= set(lora_b) and all(torch.equal(saved[n], t) for n, t in lora_b.items())
-    assert json.loads((tmp_path / "turnrl-v2" / "adapter_config.json").read_text())["r"] == LoraConfig().r
+    assert json.loads((tmp_path / v2 / "adapter_config.json").read_text())["r"] == LoraConfig().r
     sampler.sample([[5]], SamplingParams(max_tokens=1))
-    assert mock.completions()[-1]["model"] == "turnrl-v2"
+    assert mock.completions()[-1]["model"] == v2
     perturb_lora(policy, 2)  # a stale sampler does not follow until its refresh
     sampler.sample([[5]], SamplingParams(max_tokens=1))
     assert len(mock.lora_calls()) == 1
     sampler.refresh(perturb_lora(policy, 3))
     assert mock.lora_calls()[1:] == [
-        ("load_lora_adapter", {"lora_name": "turnrl-v3", "lora_path": str(tmp_path / "turnrl-v3")}),
-        ("unload_lora_adapter", {"lora_name": "turnrl-v2"}),
+        ("load_lora_adapter", {"lora_name": v3, "lora_path": str(tmp_path / v3)}),
+        ("unload_lora_adapter", {"lora_name": v2}),
     ]
+    assert mock.loaded == {v3}
 
 
 def test_fresh_sampler_syncs_before_sampling_when_the_weights_changed(mock, policy, tokenizer):
@@ -244,7 +258,7 @@ def test_fresh_sampler_syncs_before_sampling_when_the_weights_changed(mock, poli
     sampler.sample([[5]], SamplingParams(max_tokens=1))
     sampler.sample([[5]], SamplingParams(max_tokens=1))
     assert [c for c, _ in mock.lora_calls()] == ["load_lora_adapter"]  # once: the weights did not change again
-    assert mock.completions()[-1]["model"] == "turnrl-v0"
+    assert mock.completions()[-1]["model"] == f"{sampler.prefix}-v0"
 
 
 def test_resumed_sampler_loads_the_adapter_it_had(mock, policy, tokenizer):
@@ -252,9 +266,24 @@ def test_resumed_sampler_loads_the_adapter_it_had(mock, policy, tokenizer):
     sampler.refresh(perturb_lora(policy, 1))
     state = sampler.state_dict()
     again = _sampler(policy, tokenizer, mock.url, stale=True)
-    again.load_state_dict(state)
-    assert again.policy_version == 1 and again.adapter_name == "turnrl-v1"
+    again.load_state_dict(state)  # the killed run's adapter is still on the server: a name of its own
+    assert again.policy_version == 1 and again.adapter_name == f"{again.prefix}-v1" != sampler.adapter_name
     assert [c for c, _ in mock.lora_calls()] == ["load_lora_adapter", "load_lora_adapter"]
+
+
+def test_samplers_sharing_one_server_load_and_unload_their_own_adapters(mock, policy, tokenizer, tmp_path):
+    """Two ranks on one vLLM server, at the same policy versions and one adapter_dir: no name collides."""
+    ranks = [_sampler(policy, tokenizer, mock.url, stale=True, adapter_dir=str(tmp_path)) for _ in range(2)]
+    for version in (1, 2):
+        weights = perturb_lora(policy, version)
+        for sampler in ranks:
+            sampler.refresh(weights)  # before names of their own, the second rank's load was refused (400)
+    assert mock.loaded == {f"{s.prefix}-v2" for s in ranks} and len(mock.loaded) == 2
+    unloads = [b["lora_name"] for c, b in mock.lora_calls() if c == "unload_lora_adapter"]
+    assert sorted(unloads) == sorted(f"{s.prefix}-v1" for s in ranks)  # each unloaded its own previous one
+    for sampler in ranks:
+        sampler.sample([[5]], SamplingParams(max_tokens=1))
+    assert [b["model"] for b in mock.completions()] == [f"{s.prefix}-v2" for s in ranks]
 
 
 def test_weight_sync_is_refused_where_the_server_cannot_load_adapters(policy, tokenizer):
@@ -466,6 +495,6 @@ def test_training_with_the_openai_backend_loads_each_new_policy(mock, tmp_path):
     train(cfg)
     assert len(read_csv(tmp_path / "runs" / "remote" / "progress" / "train.csv")) == 2
     loads = [b["lora_name"] for c, b in mock.lora_calls() if c == "load_lora_adapter"]
-    assert loads and loads[0] == "turnrl-v1"  # step 2 sampled from the policy after step 1
-    assert {b["model"] for b in mock.completions()} >= {"base", "turnrl-v1"}
+    assert loads and loads[0].startswith("turnrl-") and loads[0].endswith("-v1")  # step 2: the policy after step 1
+    assert {b["model"] for b in mock.completions()} >= {"base", loads[0]}
     assert all((tmp_path / "ad" / name / "adapter_model.safetensors").exists() for name in loads)

@@ -159,9 +159,13 @@ def test_vllm_serve_follows_the_trainers_lora(vllm_url, served_policy, tmp_path,
                     if "lora_B" in name:
                         p.mul_(20)
             sampler.refresh(weights)
-            assert sampler.adapter_name == f"turnrl-v{version}"
+            assert sampler.adapter_name == f"{sampler.prefix}-v{version}"
             served = _served_models(vllm_url)
-            assert f"turnrl-v{version}" in served and f"turnrl-v{version - 1}" not in served
+            assert f"{sampler.prefix}-v{version}" in served and f"{sampler.prefix}-v{version - 1}" not in served
+        # a second rank (or a resumed run) on the same server loads the same version under its own name
+        other = OpenAISampler(model, tok, sp, stale=True)
+        other.refresh(weights)
+        assert {sampler.adapter_name, other.adapter_name} <= set(_served_models(vllm_url))
         samples = sampler.sample(prompts, params)
         gaps, base_gaps = [], []
         for s, ctx in zip(samples, prompts, strict=True):

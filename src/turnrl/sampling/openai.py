@@ -27,8 +27,11 @@ Weight sync: the policy is the served base model plus the trainer's LoRA adapter
 each sync the adapter is written with peft (``save_pretrained``) to ``adapter_dir``
 (which the server must be able to read) and loaded with vLLM's dynamic LoRA endpoint
 (``POST /v1/load_lora_adapter``; the server needs ``--enable-lora`` and
-``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) under a new name per policy version
-(``{adapter_prefix}-v{N}``); the previous one is unloaded. Requests then name that
+``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``) under a new name per sampler and policy version
+(``{adapter_prefix}-{sampler id}-v{N}``, the id random per sampler); the previous one is
+unloaded. vLLM refuses a name it already holds, so the id is what lets several processes
+share one server (each rank loads and unloads its own copy) and a resumed run load again
+into the server its killed predecessor used. Requests then name that
 adapter as their ``model``. llama.cpp cannot load adapters at run time (its
 ``/lora-adapters`` only rescales adapters given at start), so there a sync is refused
 with an error. A fresh sampler (``stale=False``, as for evaluation) syncs before
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import shutil
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
@@ -83,7 +87,7 @@ class OpenAISamplerParams(SamplerParams):
     adapter_dir: str | None = None
     """Where adapters are written for the server to load (unset: a temporary directory)."""
     adapter_prefix: str = "turnrl"
-    """Adapter names on the server: ``{adapter_prefix}-v{policy_version}``."""
+    """Adapter names on the server: ``{adapter_prefix}-{sampler id}-v{policy_version}``."""
 
 
 def _client(p: OpenAISamplerParams):
@@ -242,7 +246,8 @@ class OpenAISampler(LoraFollower):
     """A Sampler that asks an OpenAI-compatible completions server."""
 
     def __init__(self, model, tokenizer, params: OpenAISamplerParams, stale: bool = False) -> None:
-        super().__init__(model, stale, params.adapter_dir, params.adapter_prefix)
+        # one server may serve several samplers (ranks, a resumed run): names of this sampler's own
+        super().__init__(model, stale, params.adapter_dir, f"{params.adapter_prefix}-{secrets.token_hex(4)}")
         self.tokenizer = tokenizer
         self.p = params
         self.stop_ids = end_of_turn_ids(tokenizer)

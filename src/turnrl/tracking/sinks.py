@@ -237,6 +237,7 @@ _EVAL_ROWS = (
     ("mean_turns", "mean turns", False),
     ("malformed_rate", "malformed rate", True),
     ("wellformed_success_rate", "well-formed success", True),
+    ("num_wellformed", "well-formed games", False),
     ("num_tasks", "tasks", False),
 )
 
