@@ -1,8 +1,9 @@
 """The main job's collection with the HF sampler as it was, the improved HF sampler, and vLLM's engine; interleaved.
 
-Workload: one training batch of ``configs/number_guess_cpu.yaml`` (3 tasks × 8 games of number
-guessing, ≤ 6 turns, ≤ 16 new tokens a turn, the embedded SmolLM2-135M with its fresh LoRA), collected
-by ``turnrl.train.loop.collect_batch`` with the step-0 seeds, a fresh sampler each time:
+Workload: one training batch of ``configs/number_guess_cpu.yaml`` (4 tasks × 8 games of number
+guessing, 3 × 8 when docs/results.md §4 was measured; ≤ 6 turns, ≤ 16 new tokens a turn, the embedded
+SmolLM2-135M with its fresh LoRA), collected by ``turnrl.train.loop.collect_batch`` with the step-0
+seeds, a fresh sampler each time:
 
 - ``grow``: ``HFSampler(preallocate_kv=False, merge_lora=False)`` drawing with ``torch.multinomial``:
   transformers' growing cache (a ``cat`` of the whole cache per layer at every decode step), peft's LoRA

@@ -1,8 +1,8 @@
 """Collection with and without the HF sampler's kept keys/values of earlier turns, same process, interleaved.
 
-One training batch of the main job (``configs/number_guess_cpu.yaml``: 3 tasks × 8 games
-of number guessing, up to 7 turns, the embedded model with its fresh LoRA) is collected
-by ``HFSampler`` with ``reuse_kv_gib`` 2 (each turn feeds only its new tokens) and 0
+One training batch of the main job (``configs/number_guess_cpu.yaml``: 4 tasks × 8 games
+of number guessing, 3 × 8 when it was measured; up to 7 turns, the embedded model with its fresh
+LoRA) is collected by ``HFSampler`` with ``reuse_kv_gib`` 2 (each turn feeds only its new tokens) and 0
 (each turn reruns the episode's earlier turns after the shared prompt), alternating,
 ``--rounds`` times each. Prints the median seconds, the ratio, the context tokens
 reused, and whether both collected the same episodes token for token (same seeds).

@@ -674,3 +674,19 @@ def test_shipped_specs_resolve(name, tmp_path):
             "batch_mean",
             "loo_similarity",
         }
+
+
+@pytest.mark.parametrize("name", ["credit_number_guess_cpu", "credit_number_guess_formatted_cpu"])
+def test_number_guess_credit_specs_resolve_to_their_measured_design(name, tmp_path):
+    """The main job changed after §2 was measured; its comparison pins the design it ran with."""
+    spec = load_spec(REPO / "experiments" / f"{name}.yaml")
+    runs = plan_runs(spec, tmp_path)
+    assert len(runs) == 4 * len(spec.seeds)
+    assert {r.config.credit.estimator for r in runs} == {"group_mean", "branched", "stepwise", "gigpo"}
+    assert all(r.config.rollout.tasks_per_step == 3 and r.config.train.steps == 8 for r in runs)
+    leaves = {r.config.rollout.tasks_per_step * math.prod(r.config.rollout.branching or [r.config.rollout.group_size]) for r in runs}
+    assert leaves == {24}  # equal sampled leaves per step in every arm
+    if name == "credit_number_guess_cpu":
+        assert all(r.config.train.lr == 3.0e-4 and r.config.model.name == "embedded" for r in runs)
+    else:  # from the main job's exported output (its comment says how to make it)
+        assert all(r.config.model.name == "models/number_guess_formatted" for r in runs)
