@@ -684,10 +684,7 @@ def test_number_guess_credit_specs_resolve_to_their_measured_design(name, tmp_pa
     assert len(runs) == 4 * len(spec.seeds)
     assert {r.config.credit.estimator for r in runs} == {"group_mean", "branched", "stepwise", "gigpo"}
     assert all(r.config.rollout.tasks_per_step == 3 and r.config.train.steps == 8 for r in runs)
-    leaves = {
-        r.config.rollout.tasks_per_step * math.prod(r.config.rollout.branching or [r.config.rollout.group_size])
-        for r in runs
-    }
+    leaves = {r.config.rollout.tasks_per_step * r.config.episodes_per_task for r in runs}
     assert leaves == {24}  # equal sampled leaves per step in every arm
     if name == "credit_number_guess_cpu":
         assert all(r.config.train.lr == 3.0e-4 and r.config.model.name == "embedded" for r in runs)
