@@ -1,7 +1,7 @@
 """The main job's collection with the HF sampler as it was, the improved HF sampler, and vLLM's engine; interleaved.
 
 Workload: one training batch of ``configs/number_guess_cpu.yaml`` (4 tasks × 8 games of number
-guessing, 3 × 8 when docs/results.md §4 was measured; ≤ 6 turns, ≤ 16 new tokens a turn, the embedded
+guessing, 3 × 8 in docs/results.md §4's earlier tables; ≤ 6 turns, ≤ 16 new tokens a turn, the embedded
 SmolLM2-135M with its fresh LoRA), collected by ``turnrl.train.loop.collect_batch`` with the step-0
 seeds, a fresh sampler each time:
 
@@ -29,6 +29,13 @@ Decode against the memory-bandwidth bound: the machine's read bandwidth is measu
 tied embedding is read once, as the output head), so ``bytes / bandwidth`` is the least a decode step
 can take. The HF arms' decode steps (forwards of one new token per row) are timed by wrapping the
 base model's ``forward``.
+
+The floor of a collection (printed per arm): at the matmul rate measured here (a float32 matmul of the
+model's MLP shape), each decode step takes at least the slower of the weights' read and its rows'
+matmuls through the trunk and the output head, each prefill token (padding included) at least its
+matmuls through the trunk. What is above the floor is what a faster implementation could remove;
+the issue's "collection ≥ 2× faster than ``grow``" is reachable only if ``grow``'s time is at least
+twice the floor of the arm that would reach it.
 
 Run (under the machine's lock, ~4-6 min for 2 rounds with 1 thread):
 ``PYTHONPATH=src python benchmarks/bench_generation.py [--rounds 2] [--threads 1]``; with the vLLM arm:
@@ -75,11 +82,24 @@ def read_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
     return x.numel() * 4 / best
 
 
+def matmul_rate(repeats: int = 5) -> float:
+    """FLOP/s of a float32 ``[4096, 576] @ [576, 1536]`` matmul (the model's MLP shape; best of ``repeats``)."""
+    a, b = torch.randn(4096, 576), torch.randn(576, 1536)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * 4096 * 576 * 1536 / best
+
+
 class DecodeTimer:
-    """Times the base model's forwards that feed one token per row (decode steps)."""
+    """Times the base model's forwards that feed one token per row (decode steps) and counts the tokens
+    of the others (prefill: prompts and each turn's new context, padding included)."""
 
     def __init__(self, base) -> None:
-        self.steps, self.seconds, self.rows = 0, 0.0, 0
+        self.reset()
         forward = base.forward
 
         def timed(*args, **kwargs):
@@ -90,12 +110,22 @@ class DecodeTimer:
                 self.steps += 1
                 self.seconds += time.perf_counter() - t
                 self.rows += ids.shape[0]
+            elif ids is not None:
+                self.prefill_tokens += ids.numel()
             return out
 
         base.forward = timed
 
     def reset(self) -> None:
-        self.steps, self.seconds, self.rows = 0, 0.0, 0
+        self.steps, self.seconds, self.rows, self.prefill_tokens = 0, 0.0, 0, 0
+
+    def floor(self, step_bound: float, flop_per_token: float, head_flop: float, rate: float) -> float:
+        """The least this collection's forwards can take at the measured rates: each decode step the slower
+        of reading the weights and its matmuls (every row through the trunk and the output head), each
+        prefill token through the trunk (its logits are not needed)."""
+        rows = self.rows / max(self.steps, 1)
+        decode = self.steps * max(step_bound, rows * (flop_per_token + head_flop) / rate)
+        return decode + self.prefill_tokens * flop_per_token / rate
 
 
 class MultinomialDraws(InverseCDFDraws):
@@ -137,10 +167,18 @@ def main() -> None:
     bw = read_bandwidth()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     bound = weight_bytes / bw
+    rate = matmul_rate()
+    head = model.get_output_embeddings().weight.numel()
+    flop_per_token = 2 * (sum(p.numel() for p in model.parameters()) - head)  # the trunk's matmuls, LoRA included
+    head_flop = 2 * head
     print(f"threads {torch.get_num_threads()}  {load()}")
     print(
         f"read bandwidth {bw / 1e9:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB -> a decode step reads them once:"
         f" >= {bound * 1e3:.0f} ms a step"
+    )
+    print(
+        f"matmul rate {rate / 1e9:.0f} GFLOP/s; a token through the trunk {flop_per_token / 1e6:.0f} MFLOP,"
+        f" through the output head {head_flop / 1e6:.0f} MFLOP"
     )
     timer = DecodeTimer(model.get_base_model())
 
@@ -165,6 +203,7 @@ def main() -> None:
         arms["vllm"] = lambda: vllm_sampler
     times: dict[str, list[float]] = {k: [] for k in arms}
     decode: dict[str, list[float]] = {k: [] for k in arms}
+    floor: dict[str, list[float]] = {k: [] for k in arms}
     got: dict[str, list] = {}
     for r in range(args.rounds):
         for name, make in arms.items():
@@ -173,12 +212,14 @@ def main() -> None:
             times[name].append(sec)
             if timer.steps:
                 decode[name].append(timer.seconds / timer.steps)
+                floor[name].append(timer.floor(bound, flop_per_token, head_flop, rate))
             got[name] = [[(t.action_ids, t.action_logprobs) for t in ep.turns] for ep in episodes]
             turns = sum(len(e) for e in got[name])
             tokens = sum(len(ids) for e in got[name] for ids, _ in e)
             extra = (
                 f", {timer.steps} decode steps of {timer.rows / timer.steps:.1f} rows, "
-                f"{timer.seconds / timer.steps * 1e3:.0f} ms each"
+                f"{timer.seconds / timer.steps * 1e3:.0f} ms each, {timer.prefill_tokens} prefill tokens;"
+                f" floor {floor[name][-1]:.2f} s"
                 if timer.steps
                 else ""
             )
@@ -192,7 +233,11 @@ def main() -> None:
         dec = ""
         if decode[k]:
             d = statistics.median(decode[k])
-            dec = f"; decode step {d * 1e3:.0f} ms = {bound / d:.0%} of the bandwidth bound"
+            dec = (
+                f"; decode step {d * 1e3:.0f} ms = {bound / d:.0%} of the bandwidth bound;"
+                f" its forwards' floor {statistics.median(floor[k]):.2f} s = {statistics.median(floor[k]) / v:.0%}"
+                " of the collection"
+            )
         print(f"  {k:8s} {v:6.2f} s{dec}")
     print(
         f"  grow / prealloc {med['grow'] / med['prealloc']:.2f}x   grow / merged {med['grow'] / med['merged']:.2f}x"
