@@ -138,6 +138,26 @@ def test_replay_rebuilds_the_state_and_keeps_the_horizon(tokenizer):
         replay_task(task, ep, 7, None)
 
 
+def test_replay_passes_the_environment_options_to_the_inner_environment(tokenizer):
+    """The run's ``env.options`` (here the main job's ``few_shot``) belong to the replayed
+    environment: the replay wrapper takes them without rejecting them, and the inner environment
+    opens with its worked example as the recorded episode did."""
+    task = Task("ng", "number_guess", {"target": 12})
+    rollouts = _rollouts(tokenizer, lambda m: "<answer>3</answer>")
+    rollouts.env_options = {"few_shot": True}
+    (ep,) = rollouts([task], [1], "x")
+    import asyncio
+
+    plain = make_env(task).initial_messages()
+    shown = make_env(task, few_shot=True).initial_messages()
+    replayed = asyncio.run(make_env(replay_task(task, ep, 1, horizon=None), few_shot=True).initial_messages())
+    assert len(shown) > len(plain)
+    assert replayed[: len(shown)] == shown
+    assert replayed[-1]["content"] == "<feedback>higher</feedback>"
+    (cont,) = rollouts([replay_task(task, ep, 1, rollouts.max_turns)], [1], "r", replayed=True)
+    assert cont.num_turns == ep.num_turns - 1
+
+
 def test_default_shapes_and_arms():
     assert default_shapes(24) == [(2, 12), (4, 6)]
     assert default_shapes(8) == [(2, 4)]

@@ -50,7 +50,7 @@ class ReplayEnv(Env):
     name: ClassVar[str] = "replay"
 
     def __init__(self, task: Task, **options: Any) -> None:
-        super().__init__(task, **options)
+        super().__init__(task)  # the options are the inner environment's, validated there
         inner = dict(task.params["task"])
         self.inner = make_env(Task(inner["task_id"], inner["env"], inner.get("params", {}), inner["split"]), **options)
         self.actions: list[str] = list(task.params["actions"])
