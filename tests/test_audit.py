@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
@@ -127,8 +128,6 @@ def test_replay_rebuilds_the_state_and_keeps_the_horizon(tokenizer):
     rollouts = _rollouts(tokenizer, lambda m: "<answer>3</answer>")
     (ep,) = rollouts([task], [1], "x")  # six wrong guesses
     env = make_env(replay_task(task, ep, 2, horizon=4))
-    import asyncio
-
     messages = asyncio.run(env.initial_messages())
     assert env.state_key() == (4, 20) and messages[-1]["content"] == "<feedback>higher</feedback>"
     first = asyncio.run(env.step("<answer>5</answer>"))
@@ -146,8 +145,6 @@ def test_replay_passes_the_environment_options_to_the_inner_environment(tokenize
     rollouts = _rollouts(tokenizer, lambda m: "<answer>3</answer>")
     rollouts.env_options = {"few_shot": True}
     (ep,) = rollouts([task], [1], "x")
-    import asyncio
-
     plain = make_env(task).initial_messages()
     shown = make_env(task, few_shot=True).initial_messages()
     replayed = asyncio.run(make_env(replay_task(task, ep, 1, horizon=None), few_shot=True).initial_messages())
