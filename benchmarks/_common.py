@@ -30,6 +30,6 @@ def load_main_job(config: str) -> tuple[Any, Any, Any, ChatTemplate, list]:
     """The config, the policy model and tokenizer (fresh adapter, seed 0), the chat template, the train tasks."""
     cfg = load_config(config)
     model, tok = build_policy(PolicySettings.from_config(cfg), None, 0)
-    chat = ChatTemplate(tok, cfg.model.chat_template_kwargs, exclude_think=cfg.credit.exclude_think)
+    chat = ChatTemplate(tok, cfg.model.chat_template_kwargs, exclude_think=cfg.model.exclude_think)
     tasks = TaskSource.from_config(cfg).tasks("train")
     return cfg, model, tok, chat, tasks

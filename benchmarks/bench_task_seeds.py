@@ -21,7 +21,7 @@ from _common import load_main_job, parse_args  # the script's directory is on sy
 from turnrl.sampling.hf import HFSampler
 from turnrl.train.checkpoint import RunState
 from turnrl.train.loop import collect_batch
-from turnrl.train.run import RunSettings
+from turnrl.train.settings import RunSettings
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 
 KILL_AT=event:n picks the n-th occurrence of: checkpoint (mid-write of checkpoint/state.pt),
 step (right after a step's metrics are logged), eval (after an evaluation row), adapter
-(mid-write of an adapter directory), rollouts (mid-write of a rollouts line).
+(mid-write of an adapter directory), rollouts (mid-write of a rollouts line). READY_FILE and
+START_WHEN start several of them at one moment (see :func:`_start_together`).
 """
 
 from __future__ import annotations
@@ -87,10 +88,24 @@ def _install(event: str, n: int) -> None:
         raise SystemExit(f"unknown KILL_AT event {event}")
 
 
+def _start_together() -> None:
+    """READY_FILE / START_WHEN: say this process has imported everything, then wait for the go file
+    (two trainers started at the same moment)."""
+    if os.environ.get("READY_FILE"):
+        import time
+
+        import turnrl.train.loop  # noqa: F401 - imported before the start, as the other process does
+
+        open(os.environ["READY_FILE"], "w").close()
+        while not os.path.exists(os.environ["START_WHEN"]):
+            time.sleep(0.01)
+
+
 if __name__ == "__main__":
     if os.environ.get("KILL_AT"):
         event, count = os.environ["KILL_AT"].split(":")
         _install(event, int(count))
     from turnrl.cli import app
 
+    _start_together()
     app()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -58,6 +59,7 @@ ALLOWED = {
     "bounded": set(),
     "tasks": {"types", "bounded"},
     "rundir": {"types"},
+    "records": {"types", "bounded", "rundir"},
     "chat": {"types"},
     "losses": set(),
     "credit": {"types"},
@@ -65,11 +67,27 @@ ALLOWED = {
     "envs": {"types", "tasks", "sandbox", "rundir", "sections", "bounded"},
     "sampling": {"types", "chat", "models"},
     "rollout": {"types", "chat", "credit", "envs", "sampling"},
-    "models": {"config", "losses", "rundir"},
+    "models": {"config", "losses", "rundir", "adapterfile"},
+    "adapterfile": {"bounded", "sections"},
     "config": {"losses", "sections", "bounded", "configfile"},
     "configfile": {"sections", "bounded"},
     "sections": {"bounded"},
-    "audit": {"types", "chat", "credit", "envs", "rollout", "sampling", "tasks", "eval", "config", "models"},
+    "audit": {
+        "types",
+        "chat",
+        "credit",
+        "envs",
+        "rollout",
+        "sampling",
+        "tasks",
+        "eval",
+        "config",
+        "models",
+        "bounded",
+        "sections",
+        "train",
+        "records",
+    },
 }
 
 
@@ -123,11 +141,17 @@ def test_a_plugin_kind_is_found_without_hasattr():
 
 # The run object and what drives it: the only code that reads the whole run config. Every stage below it
 # takes its own settings (a frozen type with a ``from_config`` that reads only its keys).
-RUN_LEVEL = {"turnrl.config", "turnrl.cli", "turnrl.export", "turnrl.train.run", "turnrl.train.loop"}
+RUN_LEVEL = {
+    "turnrl.config",
+    "turnrl.cli",
+    "turnrl.export",
+    "turnrl.train.settings",
+    "turnrl.train.run",
+    "turnrl.train.loop",
+    "turnrl.train.standalone",
+}
 RUN_LEVEL_PREFIXES = ("turnrl.experiments", "turnrl.audit")
 ENTRY_POINTS = {
-    ("turnrl.eval", "run_eval"),  # standalone `turnrl eval`: builds its own settings from the config
-    ("turnrl.eval", "policy_sampler"),  # the policy of `turnrl eval` and `turnrl credit-audit`
     ("turnrl.train.checkpoint", "check_resume_config"),  # the run's resume check, called by Run.prepare
 }
 
@@ -166,7 +190,88 @@ def test_only_the_run_object_takes_the_run_config():
 def test_the_checks_above_can_fail():
     """The two signature checks see a ``cfg: Any`` and a ``RunConfig`` parameter where they are."""
     found = {(m, fn) for m, fn, arg, ann in _signatures() if ann is not None and "RunConfig" in ann}
-    assert ("turnrl.train.step", "from_config") in found and ("turnrl.eval", "run_eval") in found
+    assert ("turnrl.train.step", "from_config") in found and ("turnrl.train.standalone", "run_eval") in found
+
+
+# ---- one resolution point: every command builds its run through RunSettings.from_config ----------------
+
+COMMANDS = {
+    "turnrl.train.run",  # `turnrl train` (the run object)
+    "turnrl.train.standalone",  # `turnrl eval`, and the policy `turnrl credit-audit` audits
+    "turnrl.audit.run",  # `turnrl credit-audit`
+    "turnrl.experiments.runner",  # `turnrl experiment`
+}
+
+
+@functools.cache
+def _tree(module: str) -> ast.Module:
+    return ast.parse(MODULES[module].read_text())
+
+
+@functools.cache
+def _settings_types() -> frozenset[str]:
+    """Classes of the package with a ``from_config`` classmethod (settings types, and samplers' factories)."""
+    found = set()
+    for module in MODULES:
+        for node in ast.walk(_tree(module)):
+            if isinstance(node, ast.ClassDef):
+                if any(isinstance(f, ast.FunctionDef) and f.name == "from_config" for f in node.body):
+                    found.add(node.name)
+    return frozenset(found)
+
+
+def _resolutions(tree: ast.AST) -> list[tuple[str, str]]:
+    """(enclosing function, ``Class``) of every ``Class.from_config(...)`` call of a settings type."""
+    types = _settings_types()
+    out: list[tuple[str, str]] = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            function = node.name
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "from_config":
+            owner = node.func.value
+            if isinstance(owner, ast.Name) and owner.id in types:
+                out.append((function, owner.id))
+        for child in ast.iter_child_nodes(node):
+            visit(child, function)
+
+    visit(tree, "<module>")
+    return out
+
+
+def test_every_command_builds_its_run_through_the_one_resolution_point():
+    """Each command resolves its config with ``RunSettings.from_config``; no other code resolves a stage's
+    settings from a config (a settings type's own ``from_config`` may compose its parts' settings)."""
+    for module in sorted(COMMANDS):
+        calls = _resolutions(_tree(module))
+        assert any(cls == "RunSettings" for _, cls in calls), f"{module} does not call RunSettings.from_config"
+    bad = sorted(
+        f"{m}.{fn}: {cls}.from_config"
+        for m in MODULES
+        for fn, cls in _resolutions(_tree(m))
+        if cls != "RunSettings" and fn != "from_config"
+    )
+    assert not bad, bad
+
+
+def test_the_resolution_check_can_fail():
+    """The check sees a second resolution path where one is written."""
+    second = "def run_eval(cfg):\n    return EvalSettings.from_config(cfg)\n"
+    assert _resolutions(ast.parse(second)) == [("run_eval", "EvalSettings")]
+    assert {"RunSettings", "EvalSettings", "RolloutSettings", "LossPlan", "TaskSource"} <= _settings_types()
+
+
+def test_chats_are_rendered_through_the_runs_chat_settings():
+    """``ChatTemplate`` is built in one place outside chat.py: ``ChatSettings.template`` (so every command
+    renders a run's chats with the same template arguments and ``model.exclude_think``)."""
+    bad = sorted(
+        m
+        for m in MODULES
+        if m != "turnrl.chat"
+        for node in ast.walk(_tree(m))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "ChatTemplate"
+    )
+    assert not bad, bad
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import MappingProxyType
 
 import numpy as np
 import pytest
@@ -24,6 +25,7 @@ from turnrl.audit import (
 from turnrl.audit.run import parse_shapes
 from turnrl.chat import ChatTemplate
 from turnrl.envs import make_env, register_env
+from turnrl.rollout.settings import RolloutSettings
 from turnrl.sampling.scripted import ScriptedSampler
 from turnrl.types import SamplingParams, Task
 
@@ -143,7 +145,7 @@ def test_replay_passes_the_environment_options_to_the_inner_environment(tokenize
     opens with its worked example as the recorded episode did."""
     task = Task("ng", "number_guess", {"target": 12})
     rollouts = _rollouts(tokenizer, lambda m: "<answer>3</answer>")
-    rollouts.env_options = {"few_shot": True}
+    rollouts.settings = RolloutSettings(env_options=MappingProxyType({"few_shot": True}))
     (ep,) = rollouts([task], [1], "x")
     plain = make_env(task).initial_messages()
     shown = make_env(task, few_shot=True).initial_messages()
@@ -151,7 +153,7 @@ def test_replay_passes_the_environment_options_to_the_inner_environment(tokenize
     assert len(shown) > len(plain)
     assert replayed[: len(shown)] == shown
     assert replayed[-1]["content"] == "<feedback>higher</feedback>"
-    (cont,) = rollouts([replay_task(task, ep, 1, rollouts.max_turns)], [1], "r", replayed=True)
+    (cont,) = rollouts([replay_task(task, ep, 1, rollouts.settings.max_turns)], [1], "r", replayed=True)
     assert cont.num_turns == ep.num_turns - 1
 
 

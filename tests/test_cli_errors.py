@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 
@@ -238,11 +239,12 @@ def test_real_full_disk_while_writing_a_checkpoint_says_so(small_fs):
     import torch
 
     from turnrl.train.checkpoint import RunState, load_checkpoint, save_checkpoint
+    from turnrl.train.summary import Summary
 
     run = RunDir(small_fs("64k") / "r")
-    save_checkpoint(run, _Stub({"w": torch.zeros(1000)}), _Stub({}), RunState(step=1), {})
+    save_checkpoint(run, _Stub({"w": torch.zeros(1000)}), _Stub({}), RunState(step=1), Summary())
     with pytest.raises(Exception) as err:  # torch itself raises RuntimeError("... unexpected pos N vs M")
-        save_checkpoint(run, _Stub({"w": torch.zeros(100_000)}), _Stub({}), RunState(step=2), {})
+        save_checkpoint(run, _Stub({"w": torch.zeros(100_000)}), _Stub({}), RunState(step=2), Summary())
     text = str(err.value)
     assert "state.pt" in text and "is full" in text and "previous checkpoint is intact" in text, text
     assert not list(run.checkpoint_dir.glob("*.tmp"))
@@ -318,3 +320,53 @@ def test_hostile_input_in_a_real_process_is_one_line(tmp_path):
         assert proc.returncode == 2, (args, out[-2000:])
         assert "Traceback" not in out and needle in " ".join(out.split()), (args, out[-2000:])
         assert len(out.strip().splitlines()) <= 4 and len(out) < 1500, out[-2000:]
+
+
+# ---- input from outside (issue 33): task files, adapters, option sizes (more spellings: tests/hostile/input_cases.py)
+
+
+@pytest.mark.parametrize("env", ["json:JSONDecoder", "importlib:import_module", "count.x", "c\u043eunt"])
+def test_a_task_line_naming_other_code_is_refused_unread(tmp_path, env):
+    path = tmp_path / "t.jsonl"  # (that nothing is imported is shown with a canary module: test_hostile_input_cases)
+    path.write_text('{"task_id": "a", "env": "count"}\n' + json.dumps({"task_id": "b", "env": env}) + "\n")
+    _fails(["train", _config(tmp_path, data={"train_file": str(path)})], "t.jsonl:2", "field 'env'", "env.name")
+    _nothing_written(tmp_path)
+
+
+def test_duplicate_task_ids_name_both_lines(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text(
+        '{"task_id": "a", "env": "count"}\n{"task_id": "b", "env": "count"}\n{"task_id": "a", "env": "count"}\n'
+    )
+    _fails(["train", _config(tmp_path, data={"train_file": str(path)})], "t.jsonl:3", "'task_id'", "t.jsonl:1")
+    _nothing_written(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["credit-audit", "cfg.yaml", "--repeats", str(10**12)], "--repeats"),
+        (["credit-audit", "cfg.yaml", "--leaves", "65536", "--episodes", "2"], "--episodes 2 x --leaves 65536"),
+        (["export", "run", "--iteration", str(10**11), "--out", "o"], "--iteration"),
+        (["rows", "run", "--limit", str(10**9)], "--limit"),
+    ],
+    ids=["repeats", "leaves-product", "export-iteration", "rows-limit"],
+)
+def test_an_option_past_its_bound_is_refused_first(tmp_path, monkeypatch, args, needle):
+    monkeypatch.chdir(tmp_path)  # neither the config nor the run exists: the option is refused before either is read
+    _fails(args, needle)
+
+
+def test_a_pickle_adapter_is_refused_unread(tmp_path):
+    import pickle
+
+    class Boom:
+        def __reduce__(self):
+            return (os.makedirs, (str(tmp_path / "unpickled"),))
+
+    adapter = tmp_path / "ad"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    (adapter / "adapter_model.bin").write_bytes(pickle.dumps(Boom()))
+    _fails(["eval", _config(tmp_path), "--adapter", str(adapter)], "adapter_model.bin", "pickle", "not loaded")
+    assert not (tmp_path / "unpickled").exists()

@@ -16,13 +16,14 @@ from turnrl.chat import ChatTemplate
 from turnrl.config import LoraConfig, parse_config
 from turnrl.credit import reward_metrics
 from turnrl.envs import ENV_REGISTRY, register_env
-from turnrl.losses import mismatch_weights
+from turnrl.losses import MismatchCorrection, mismatch_weights
 from turnrl.models import attach_lora
-from turnrl.rollout.collect import RolloutSettings, collect, mask_truncated_turns
+from turnrl.rollout.collect import RolloutSettings, collect
 from turnrl.rundir import RunDir, read_jsonl
 from turnrl.sampling import SamplerSpec
 from turnrl.sampling.scripted import ScriptedSampler
 from turnrl.tracking import read_csv
+from turnrl.train.batch import mask_truncated_turns
 from turnrl.train.loop import train
 from turnrl.train.step import LocalTrainer, StepSettings, make_scheduler
 from turnrl.types import Episode, Sample, SamplingParams, StopReason, Task
@@ -199,7 +200,7 @@ def test_turning_the_correction_off_warns():
 
 def test_auto_correction_is_trls_sequence_mask():
     """TRL: ratio = exp(Σ_t m_t (old_t − sampling_t)) per sequence; ratio.masked_fill(ratio > 3, 0)."""
-    cfg = parse_config({"sampler": {"refresh_every": 2}}).loss.mismatch
+    cfg = MismatchCorrection.from_config(parse_config({"sampler": {"refresh_every": 2}}).loss.mismatch)
     old = torch.tensor([[-1.0, -1.0, -2.0], [-1.0, -0.5, -1.0], [-1.0, -1.0, -1.0]])
     sampling_lp = torch.tensor([[-1.5, -1.5, -9.0], [-1.0, -1.0, -1.0], [-3.0, -1.0, -1.0]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]])

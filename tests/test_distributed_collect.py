@@ -32,7 +32,7 @@ from turnrl.train import distributed
 from turnrl.train.checkpoint import RunState
 from turnrl.train.loop import train_step
 from turnrl.train.policy import build_policy
-from turnrl.train.run import RunSettings
+from turnrl.train.settings import RunSettings
 from turnrl.types import SamplingParams
 
 LOGPROB_ATOL = 1e-5
@@ -98,7 +98,7 @@ def _train_steps(cfg) -> dict:
     model, tok = build_policy(settings.policy, None, 0)
     trainer = distributed.make_trainer(model, settings.step, tok.pad_token_id)
     sampler = make_sampler(settings.sampler, model, tok)
-    chat = ChatTemplate(tok, dict(settings.chat_template_kwargs), exclude_think=settings.exclude_think)
+    chat = settings.chat.template(tok)
     tasks = TaskSource.from_config(cfg).tasks("train")
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     grads: list[dict] = []

@@ -20,7 +20,8 @@ from turnrl.envs.key_door.env import KeyDoorToolsEnv
 from turnrl.envs.rubric import Rubric
 from turnrl.envs.tools import ToolCallError, ToolEnv, parse_tool_calls, tool_env_from_factory
 from turnrl.integrations.trl_key_door import KeyDoorToolEnv
-from turnrl.rollout.collect import RolloutContractError, RolloutSettings, collect, run_concurrently
+from turnrl.rollout.collect import RolloutContractError, RolloutSettings, collect
+from turnrl.rollout.concurrent import run_concurrently
 from turnrl.rundir import RunDir, read_jsonl
 from turnrl.sampling.scripted import ScriptedSampler
 from turnrl.tracking import read_csv

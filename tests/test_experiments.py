@@ -5,6 +5,7 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import yaml
 
@@ -17,8 +18,10 @@ from turnrl.experiments import (
     binomial_var,
     combine,
     config_diff,
+    critical,
     eval_var,
     evaluate_criterion,
+    evaluate_margin,
     load_spec,
     mde,
     mean_se,
@@ -31,6 +34,7 @@ from turnrl.experiments import (
 )
 from turnrl.rundir import RunDir, write_jsonl
 from turnrl.tracking.sinks import CsvSink
+from turnrl.train.summary import Summary, new_run_id
 from turnrl.types import Episode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +70,16 @@ def _spec_dict(**extra):
         ],
     }
     spec.update(extra)
+    if "primary" not in extra and len(spec["arms"]) > 1:  # the criterion's first comparison, or the first two arms
+        leaf = spec.get("criterion") or {}
+        while "any_of" in leaf or "all_of" in leaf:
+            leaf = (leaf.get("any_of") or leaf.get("all_of"))[0]
+        names = [a["name"] for a in spec["arms"]]
+        spec["primary"] = {
+            "treatment": leaf.get("treatment", names[0]),
+            "baseline": leaf.get("baseline", names[1]),
+            "metric": leaf.get("metric", "success_rate"),
+        }
     return spec
 
 
@@ -224,24 +238,92 @@ def test_binomial_variance_is_agresti_caffo():
     assert binomial_var(0.3, 100) == pytest.approx((31 / 102) * (71 / 102) / 102)
 
 
-def test_combine_adds_seed_variance():
-    mean, se = combine([0.2], [0.004])
-    assert (mean, se) == (pytest.approx(0.2), pytest.approx(math.sqrt(0.004)))
-    mean, se = combine([0.1, 0.3], [0.001, 0.003])
-    # Σ var / m² = 0.004 / 4; sample var of (0.1, 0.3) = 0.02, / m = 0.01
-    assert mean == pytest.approx(0.2)
-    assert se == pytest.approx(math.sqrt(0.001 + 0.01))
+def test_combine_is_the_paired_t_estimate():
+    # m = 2: d = (0.1, 0.3), s_d² = 0.02, SE = √(0.02/2) = 0.1 on 1 df; the evaluation variances are in s_d already
+    est = combine([0.1, 0.3], [0.001, 0.003])
+    assert (est.mean, est.se, est.df, est.seeds) == (pytest.approx(0.2), pytest.approx(0.1), 1, 2)
+    assert est.critical == pytest.approx(12.7062, abs=1e-4)
+    # §14's 500-game gigpo − group_mean per seed (points): mean 0.84, Σ(d − 0.84)² = 5.872, SE √(5.872/4/5)
+    est = combine([-0.2, 1.2, 2.6, -0.4, 1.0], [0.0] * 5)
+    assert est.mean == pytest.approx(0.84) and est.se == pytest.approx(math.sqrt(5.872 / 20)) and est.df == 4
+    # no spread to measure (one seed, or equal values): the evaluations' variances, √(Σ var)/m, judged at z
+    one = combine([0.2], [0.004])
+    assert (one.mean, one.se, one.df) == (pytest.approx(0.2), pytest.approx(math.sqrt(0.004)), None)
+    assert one.critical == pytest.approx(1.959964, abs=1e-6) and "weaker" in one.basis()
+    equal = combine([0.2, 0.2], [0.004, 0.005])
+    assert equal.se == pytest.approx(math.sqrt(0.009) / 2) and equal.df is None
 
 
-def test_power_of_the_two_se_rule_by_hand():
-    # z_0.8 = 0.841621: a true difference of (2 + 0.8416)·SE is called with probability 0.8
-    assert mde(0.05) == pytest.approx(0.05 * 2.841621, abs=1e-6)
-    assert mde(0.05, power=0.5) == pytest.approx(0.10)  # z_0.5 = 0
-    # σ² = 0.01 (seed sd 10 points), v = 0.0025 (100 games at p = 0.5): SE² = (0.005 + 0.02)/5
-    assert planned_se(0.01, 0.0025, 5) == pytest.approx(math.sqrt(0.005))
-    # MDE ≤ 5 points needs (0.025)·(2.8416/0.05)² = 80.75 → 81 seeds
-    assert seeds_for(0.05, 0.01, 0.0025) == 81
-    assert mde(planned_se(0.01, 0.0025, 81)) <= 0.05 < mde(planned_se(0.01, 0.0025, 80))
+def test_t_critical_values_match_the_table():
+    # two-sided 5 % (one-sided 2.5 %) Student t quantiles, as printed in every statistics table
+    for df, value in [(1, 12.7062), (2, 4.3027), (4, 2.7764), (9, 2.2622), (29, 2.0452)]:
+        assert critical(df) == pytest.approx(value, abs=1e-4)
+    assert critical(None) == pytest.approx(1.959964, abs=1e-6)
+    assert critical(4, 0.9) == pytest.approx(1.5332, abs=1e-4)
+
+
+def test_power_and_planning_by_hand():
+    # no df: (z_0.975 + z_0.8)·SE = (1.959964 + 0.841621)·SE; z_0.5 = 0 leaves the critical value
+    assert mde(0.05, None) == pytest.approx(0.05 * 2.801585, abs=1e-6)
+    assert mde(0.05, None, power=0.5) == pytest.approx(0.05 * 1.959964, abs=1e-6)
+    # a noncentral t's median lies above its λ, so the λ that puts the median at t_4 = 2.776 is a little below it
+    assert 2.7764 - 0.3 < mde(1.0, 4, power=0.5) < 2.7764
+    # larger than the (t + z) approximation (3.618) at m = 5; it tends to 2.80 as df grows
+    assert mde(1.0, 4) == pytest.approx(3.761, abs=1e-3)
+    assert mde(1.0, 10_000) == pytest.approx(2.8016, abs=1e-3)
+    # planning: SE = σ_d/√m; σ_d² = 0.02 (2 × a 10-point seed sd), m = 5
+    assert planned_se(0.02, 5) == pytest.approx(math.sqrt(0.004))
+    m = seeds_for(0.05, 0.02)
+    assert mde(planned_se(0.02, m), m - 1) <= 0.05 < mde(planned_se(0.02, m - 1), m - 2)
+    assert m == 65  # the large-m rule (2.8016·√0.02/0.05)² = 62.8 → 63, plus the t's heavier tails
+    assert seeds_for(0.05, 0.0) == 2
+    with pytest.raises(ValueError, match="target_mde"):
+        seeds_for(0.0, 0.02)
+
+
+def _simulated_verdicts(rng, seeds: int, delta: float, run_sd: float, n: int, reps: int, p: float = 0.5):
+    """The margin rule on ``reps`` simulated experiments with known variances: per arm and seed a true rate
+    (p ± δ/2 plus N(0, run_sd²) run-to-run noise), evaluated on n binomial games; the verdicts and (D, SE)."""
+    noise = rng.normal(0.0, run_sd, (2, reps, seeds))
+    rates = np.clip(np.array([p + delta / 2, p - delta / 2])[:, None, None] + noise, 0.0, 1.0)
+    observed = rng.binomial(n, rates) / n
+    crit = _margin(at_step="final")
+    verdicts, diffs, ses = [], [], []
+    for r in range(reps):
+        curves = {
+            arm: {s: [EvalPoint(1, float(observed[k, r, s]), n)] for s in range(seeds)} for k, arm in enumerate("tb")
+        }
+        got = evaluate_margin(crit, curves)
+        verdicts.append(got.verdict)
+        diffs.append(got.numbers["diff"])
+        ses.append(got.numbers["se"])
+    return np.array(verdicts), np.array(diffs), np.array(ses)
+
+
+def test_the_rule_keeps_its_level_and_power_in_a_simulation_with_known_variances():
+    rng = np.random.default_rng(20261204)
+    reps, m, n, run_sd = 4000, 5, 100, 0.05
+
+    def within(rate, target):  # within 3 binomial SEs of the target over `reps` replications
+        return abs(rate - target) < 3 * math.sqrt(target * (1 - target) / reps)
+
+    # no true difference: validated and failed each 2.5 % of the time; "> 2 SE" would be ~6 %
+    v, d, se = _simulated_verdicts(rng, m, 0.0, run_sd, n, reps)
+    assert within((v == "validated").mean(), 0.025) and within((v == "failed").mean(), 0.025)
+    assert (d > 2 * se).mean() > 0.045
+    # a true difference of one MDE is called 80 % of the time; σ_d² = 2·run_sd² + 2·Var(binomial at p ± δ/2)
+    delta = 0.1
+    for _ in range(4):  # δ depends on σ_d, which depends on δ through p(1 − p): a fixed point
+        sd_d = math.sqrt(2 * run_sd**2 + 2 * (0.25 - delta**2 / 4 - run_sd**2) / n)
+        delta = mde(sd_d / math.sqrt(m), m - 1)
+    v, _, _ = _simulated_verdicts(rng, m, delta, run_sd, n, reps)
+    assert within((v == "validated").mean(), 0.8)
+    # one seed, no run-to-run noise: the evaluations' own SE at z keeps the level (n = 400: little discreteness)
+    v, _, _ = _simulated_verdicts(rng, 1, 0.0, 0.0, 400, 2000)
+    assert abs((v == "validated").mean() - 0.025) < 3 * math.sqrt(0.025 * 0.975 / 2000)
+    # ... but with run-to-run noise it does not: the one-seed rule is the weaker one
+    v, _, _ = _simulated_verdicts(rng, 1, 0.0, run_sd, 400, 2000)
+    assert (v == "validated").mean() > 0.06
 
 
 def test_margin_validated_failed_inconclusive():
@@ -255,9 +337,11 @@ def test_margin_validated_failed_inconclusive():
     se = math.sqrt(0.25 / 102 + (31 / 102) * (71 / 102) / 102)  # ≈ 0.0673
     assert r.verdict == "validated"
     assert r.numbers["diff"] == pytest.approx(0.2) and r.numbers["se"] == pytest.approx(se)
-    assert r.numbers["excess"] == pytest.approx(0.16)  # 0.16 > 2·0.0673
-    assert r.numbers["mde_80"] == pytest.approx(2.841621 * se, abs=1e-6)
-    assert f"minimum detectable difference at 80 % power {100 * 2.841621 * se:.1f} points" in r.text
+    assert r.numbers["excess"] == pytest.approx(0.16)  # 0.16 > 1.96·0.0673 (one seed: z, no df)
+    assert r.numbers["df"] is None and r.numbers["critical"] == pytest.approx(1.959964, abs=1e-6)
+    assert r.numbers["mde_80"] == pytest.approx(2.801585 * se, abs=1e-6)
+    assert f"minimum detectable difference at 80 % power {100 * 2.801585 * se:.1f} points" in r.text
+    assert "1 seed: evaluation noise only" in r.text and "weaker" in r.text
     assert evaluate_criterion(_margin(at_step=10, min_diff=0.04), curves(0.4, 0.3)).verdict == "inconclusive"
     assert evaluate_criterion(_margin(at_step=10, min_diff=0.04), curves(0.2, 0.4)).verdict == "failed"
     # "final" = each run's last evaluation
@@ -266,7 +350,7 @@ def test_margin_validated_failed_inconclusive():
     assert evaluate_criterion(_margin(min_diff=0.04), curves(0.0, 0.0, n=20)).verdict == "inconclusive"
 
 
-def test_margin_pairs_seeds_and_counts_seed_noise():
+def test_margin_pairs_seeds_and_judges_their_spread_at_t():
     n = 10_000  # binomial noise negligible: the seed spread decides
     same = {
         "t": {0: [(5, 0.50, n)], 1: [(5, 0.52, n)]},
@@ -280,7 +364,18 @@ def test_margin_pairs_seeds_and_counts_seed_noise():
     }
     r = evaluate_criterion(_margin(at_step=5, min_diff=0.04), spread)
     assert r.numbers["diff"] == pytest.approx(0.1)
-    assert r.numbers["se"] > 0.1 and r.verdict == "inconclusive"  # diffs 0.0 and 0.2: sd 0.14 / √2
+    # diffs 0.0 and 0.2: s_d = 0.141, SE = 0.1 (the binomial noise is inside s_d), t_1 = 12.7
+    assert r.numbers["se"] == pytest.approx(0.1) and r.numbers["df"] == 1 and r.verdict == "inconclusive"
+    assert "2 seeds: s_d/√m, t_1 = 12.71" in r.text
+    # five seeds, d = 0.03, 0.05, 0.07, 0.05, 0.05: s_d² = 0.0008/4, SE = √(0.0002/5) = 0.0063
+    five = {
+        "t": {s: [(5, 0.5 + d, n)] for s, d in enumerate([0.03, 0.05, 0.07, 0.05, 0.05])},
+        "b": {s: [(5, 0.5, n)] for s in range(5)},
+    }
+    r = evaluate_criterion(_margin(at_step=5, min_diff=0.035), five)
+    assert r.numbers["se"] == pytest.approx(math.sqrt(0.0002 / 5)) and r.numbers["df"] == 4
+    assert r.verdict == "inconclusive"  # excess 0.015 = 2.37 SE: past 2, short of t_4 = 2.78
+    assert evaluate_criterion(_margin(at_step=5, min_diff=0.03), five).verdict == "validated"  # 3.16 SE
 
 
 def test_margin_at_a_step_a_run_never_reached_is_inconclusive():
@@ -365,10 +460,11 @@ def test_margin_on_an_unbounded_reward_uses_the_sample_variance_paired_by_seed()
         "b": {0: [(10, 1.0, 3, 3.0)], 1: [(10, 1.0, 3, 1.0)]},
     }
     r = evaluate_criterion(_reward_margin(at_step=10, min_diff=0.0), curves)
-    # SE² = (4 + 2/3) / 2² + 0 (the two differences agree) = 7/6
+    # the two differences agree (no spread): the evaluations' SE² = (4 + 2/3) / 2² = 7/6, judged at z
     assert r.numbers["diff"] == pytest.approx(1.0) and r.numbers["se"] == pytest.approx(math.sqrt(7 / 6))
-    assert r.verdict == "inconclusive"  # 1 < 2 · 1.08
-    assert "difference +1 (SE 1.08, 2 seed(s))" in r.text and "points" not in r.text  # reward units, not %
+    assert r.verdict == "inconclusive"  # 1 < 1.96 · 1.08
+    assert "difference +1 (SE 1.08, 2 seeds with equal values: evaluation noise only" in r.text
+    assert "points" not in r.text  # reward units, not %
     many = {arm: {0: [(10, v, 10_000, 9.0)]} for arm, v in (("t", 2.0), ("b", 1.0))}
     assert evaluate_criterion(_reward_margin(at_step=10), many).verdict == "validated"  # SE 0.042
 
@@ -392,7 +488,7 @@ def test_collapse_on_an_unbounded_reward():
     assert b["drop"] == pytest.approx(8.0) and b["se"] == pytest.approx(math.sqrt(2)) and b["status"] == "collapsed"
     t = r.numbers["arms"]["t"]
     assert t["drop"] == 0.0 and t["se"] == pytest.approx(math.sqrt(0.02)) and t["status"] == "stable"
-    assert r.verdict == "validated" and "drop 8 (SE 1.41)" in r.text
+    assert r.verdict == "validated" and "drop 8 (SE 1.41, 1 seed" in r.text
 
 
 def test_verdict_module_is_pure():
@@ -404,7 +500,8 @@ def test_verdict_module_is_pure():
     imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
     runtime = imported - {"turnrl.experiments.spec"}  # that one only under TYPE_CHECKING
-    assert runtime <= {"__future__", "math", "statistics", "collections.abc", "dataclasses", "typing"}, runtime
+    allowed = {"__future__", "math", "statistics", "functools", "collections.abc", "dataclasses", "typing"}
+    assert runtime <= allowed | {"scipy.stats", "scipy.optimize"}, runtime  # scipy: t and noncentral t
     assert not any(isinstance(n, ast.Call) and getattr(n.func, "id", "") == "open" for n in ast.walk(tree))
 
 
@@ -440,7 +537,7 @@ def fake_runner(calls: list):
             )
         for step in range(1, cfg.train.steps + 1):
             sink.log_step(step, {"iteration": 0, "reward": 0.1 * step + 0.01 * cfg.seed, "loss": 0.0})
-        (run_dir / "progress" / "summary.json").write_text(json.dumps({"base": {}, "final": {}}))
+        Summary(new_run_id(), {}, [{}], complete=True).write(RunDir(run_dir))
         return {}
 
     return run
@@ -561,7 +658,7 @@ def reward_runner(calls: list, save_episodes: bool = True):
             )
         for step in range(1, cfg.train.steps + 1):
             sink.log_step(step, {"iteration": 0, "reward": 1.0, "loss": 0.0})
-        rd.summary.write_text(json.dumps({"base": {}, "final": {}}))
+        Summary(new_run_id(), {}, [{}], complete=True).write(rd)
         return {}
 
     return run
@@ -580,10 +677,10 @@ def test_run_experiment_on_an_unbounded_reward_reads_the_eval_episodes(tmp_path)
     run_experiment(load_spec(spec_path), reward_runner([]), output_root=tmp_path / "runs", out=out)
     payload = json.loads(out.getvalue().splitlines()[-1].removeprefix("RESULT "))
     a = payload["arms"]["a"]
-    # after = mean of the seeds' means (2, 2); SE² = (9/3 + 1/3) / 2² + 0 = 5/6
+    # after = mean of the seeds' means (2, 2), equal: the evaluations' SE² = (9/3 + 1/3) / 2² = 5/6
     assert (a["before"], a["after"], a["delta"]) == (0.0, pytest.approx(2.0), pytest.approx(2.0))
     assert a["after_se"] == pytest.approx(math.sqrt(5 / 6))
-    # a − b per seed: 1 and 1; SE² = ((9 + 3)/3 + (1 + 1)/3) / 2² = 7/6
+    # a − b per seed: 1 and 1 (no spread); SE² = ((9 + 3)/3 + (1 + 1)/3) / 2² = 7/6
     assert payload["criterion"]["diff"] == pytest.approx(1.0)
     assert payload["criterion"]["se"] == pytest.approx(math.sqrt(7 / 6)) and payload["verdict"] == "inconclusive"
     summary = (tmp_path / "runs" / "exp" / "summary.md").read_text()

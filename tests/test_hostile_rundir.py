@@ -23,6 +23,7 @@ from turnrl.train.checkpoint import (
     save_checkpoint,
     truncate_to,
 )
+from turnrl.train.summary import Summary
 
 SECRET = "root:x:0:0:do not touch\n"
 
@@ -115,7 +116,7 @@ def test_checkpoint_temp_file_is_never_a_planted_one(run, victim):
     run.checkpoint_dir.mkdir()
     (run.checkpoint_dir / "state.pt.tmp").symlink_to(victim)  # the name the writer used to reuse
     stub = SimpleNamespace(state_dict=lambda: {"w": torch.zeros(2)})
-    save_checkpoint(run, stub, stub, RunState(step=3), {})
+    save_checkpoint(run, stub, stub, RunState(step=3), Summary())
     assert victim.read_text() == SECRET
     assert torch.load(run.checkpoint, weights_only=True)["state"]["step"] == 3
     assert sorted(p.name for p in run.checkpoint_dir.iterdir()) == ["state.pt", "state.pt.tmp"]

@@ -11,6 +11,7 @@ from turnrl.config import LossConfig, MismatchConfig
 from turnrl.losses import (
     LOSSES,
     LossPlan,
+    MismatchCorrection,
     centered_loss,
     cispo_loss,
     clip_loss,
@@ -116,7 +117,7 @@ Q = t([[LOG(0.3), LOG(0.5), LOG(0.4)]])  # w = exp(old − q) = [3, 1, .25]
     ],
 )
 def test_mismatch_weights(mode, level, mask, expected):
-    cfg = MismatchConfig(mode=mode, level=level, c=2.0, c_min=0.5, c_max=2.0)
+    cfg = MismatchCorrection(mode=mode, level=level, c=2.0, c_min=0.5, c_max=2.0)
     w, metrics = mismatch_weights(OLD, Q, t([mask]), cfg)
     torch.testing.assert_close(w, t([expected]))
 
@@ -131,7 +132,7 @@ def test_mismatch_weights(mode, level, mask, expected):
 )
 def test_truncate_with_trls_lower_clamp(level, mask, expected):
     """TRL's token_truncate / sequence_truncate: clamp(w, min=vllm_importance_sampling_clip_min, max=C)."""
-    cfg = MismatchConfig(mode="truncate", level=level, c=2.0, clip_min=0.5)
+    cfg = MismatchCorrection(mode="truncate", level=level, c=2.0, clip_min=0.5)
     w, metrics = mismatch_weights(OLD, Q, t([mask]), cfg)
     torch.testing.assert_close(w, t([expected]))
     if level == "token":

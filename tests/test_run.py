@@ -15,7 +15,6 @@ from toy_envs import CountEnv
 from turnrl import losses
 from turnrl.chat import ChatTemplate
 from turnrl.config import ConfigError, LossConfig, parse_config
-from turnrl.eval import run_eval
 from turnrl.export import export
 from turnrl.losses import LOSSES, LossInputs, LossPlan, LossSpec, finalize_metrics, per_token_loss
 from turnrl.rollout.collect import collect
@@ -24,7 +23,9 @@ from turnrl.sampling.scripted import ScriptedSampler
 from turnrl.train.checkpoint import Checkpoint, ResumeError, RunState, load_checkpoint
 from turnrl.train.loop import train
 from turnrl.train.policy import PolicySettings, build_policy
-from turnrl.train.run import RunSettings
+from turnrl.train.settings import RunSettings
+from turnrl.train.standalone import run_eval
+from turnrl.train.summary import Summary
 from turnrl.types import SamplingParams, StopReason, Task
 
 LOG = math.log
@@ -164,9 +165,10 @@ def test_collected_and_reloaded_episodes_carry_a_stop_reason(tmp_path, tokenizer
 
 
 def test_checkpoint_round_trips_and_a_foreign_file_is_refused(tmp_path):
-    ckpt = Checkpoint(RunState(step=3, cursor=6), {"base": {"success_rate": 0.5}}, {"a": 1}, {"b": 2}, {}, {"x": 4})
+    summary = Summary("abc", {"success_rate": 0.5}, [{"success_rate": 0.75}], complete=True)
+    ckpt = Checkpoint(RunState(step=3, cursor=6), summary, {"a": 1}, {"b": 2}, {}, {"x": 4})
     again = Checkpoint.from_payload(ckpt.to_payload())
-    assert again == ckpt and isinstance(again.state, RunState)
+    assert again == ckpt and isinstance(again.state, RunState) and isinstance(again.summary, Summary)
     run = RunDir(tmp_path / "r")
     run.checkpoint_dir.mkdir(parents=True)
     torch.save({"state": {"step": 1}}, run.checkpoint)

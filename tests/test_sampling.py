@@ -25,11 +25,12 @@ def test_common_prefix_length():
     assert common_prefix_length([[1, 2], [1, 2]]) == 2
 
 
+@pytest.mark.parametrize("fast_decode", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_prefix_cache_changes_nothing(tiny_model, tokenizer, temperature):
+def test_prefix_cache_changes_nothing(tiny_model, tokenizer, temperature, fast_decode):
     params = SamplingParams(temperature=temperature, max_tokens=8, seed=3)
-    plain = HFSampler(tiny_model, tokenizer, prefix_cache=False).sample(_contexts(), params)
-    cached = HFSampler(tiny_model, tokenizer, prefix_cache=True).sample(_contexts(), params)
+    plain = HFSampler(tiny_model, tokenizer, prefix_cache=False, fast_decode=fast_decode).sample(_contexts(), params)
+    cached = HFSampler(tiny_model, tokenizer, prefix_cache=True, fast_decode=fast_decode).sample(_contexts(), params)
     for a, b in zip(plain, cached, strict=True):
         assert a.ids == b.ids and a.finish_reason == b.finish_reason
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
@@ -68,15 +69,16 @@ def _next_turns(contexts, samples, seed):
     ]
 
 
+@pytest.mark.parametrize("fast_decode", [True, False])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_kept_keys_values_of_earlier_turns_change_nothing(tiny_model, tokenizer, temperature):
+def test_kept_keys_values_of_earlier_turns_change_nothing(tiny_model, tokenizer, temperature, fast_decode):
     """Three turns: the sampler that feeds only each context's new tokens samples what a fresh one does."""
-    kept = HFSampler(tiny_model, tokenizer)
+    kept = HFSampler(tiny_model, tokenizer, fast_decode=fast_decode)
     contexts = _contexts()
     previous, prev_samples = [], []
     for turn in range(3):
         params = SamplingParams(temperature=temperature, max_tokens=8, seed=3 + turn)
-        plain = HFSampler(tiny_model, tokenizer, reuse_kv_gib=0).sample(contexts, params)
+        plain = HFSampler(tiny_model, tokenizer, reuse_kv_gib=0, fast_decode=fast_decode).sample(contexts, params)
         got = kept.sample(contexts, params)
         assert (kept.reused_tokens > 0) == (turn > 0)
         if turn:  # every row reused its whole previous context and the tokens it sampled, but the last
@@ -128,9 +130,9 @@ def test_a_context_without_a_kept_past_falls_back_to_the_shared_prefix(tiny_mode
 def test_preallocated_kv_samples_what_the_growing_cache_does(tiny_model, tokenizer, temperature, prefix_cache):
     """Buffers written in place (``preallocate_kv``) instead of a cache grown by concatenation: over three turns
     (the shared prefix or none, then kept keys/values of earlier turns) the same tokens and the same log-probs,
-    bit for bit, at T = 0 and T > 0 (the same draws: the logits are the same)."""
-    grow = HFSampler(tiny_model, tokenizer, prefix_cache=prefix_cache, preallocate_kv=False)
-    pre = HFSampler(tiny_model, tokenizer, prefix_cache=prefix_cache, preallocate_kv=True)
+    bit for bit, at T = 0 and T > 0 (the same draws: the logits are the same). transformers' ``generate`` path."""
+    grow = HFSampler(tiny_model, tokenizer, prefix_cache=prefix_cache, preallocate_kv=False, fast_decode=False)
+    pre = HFSampler(tiny_model, tokenizer, prefix_cache=prefix_cache, preallocate_kv=True, fast_decode=False)
     contexts = _contexts()
     for turn in range(3):
         params = SamplingParams(temperature=temperature, max_tokens=8, top_k_logprobs=3, seed=5 + turn)

@@ -62,7 +62,8 @@ def test_inverse_cdf_draws_are_seeded_per_call_or_per_row():
 def test_merged_lora_samples_what_the_lora_forward_does_and_restores_the_base(tiny_model, tokenizer):
     """A LoRA moved off zero: the sampler that merges it generates the same greedy tokens, with log-probs within
     1e-5 of the unmerged sampler's and of the trainer's; the base weights are the same tensors, unchanged,
-    afterwards; after the next weight change the merged weights follow it."""
+    afterwards; after the next weight change the merged weights follow it (transformers' ``generate`` path:
+    the packed decoder computes the merged weights itself, tests/test_sampling_packed.py)."""
     model = attach_lora(tiny_model, LoraConfig(r=4, alpha=8))
     perturb_lora(model, seed=0)
     layers = lora_layers(model)
@@ -72,8 +73,8 @@ def test_merged_lora_samples_what_the_lora_forward_does_and_restores_the_base(ti
     contexts = _contexts()
     for turn in range(2):
         params = SamplingParams(temperature=0.0, max_tokens=8, seed=turn)
-        plain = HFSampler(model, tokenizer, merge_lora=False).sample(contexts, params)
-        merged_sampler = HFSampler(model, tokenizer, merge_lora=True)
+        plain = HFSampler(model, tokenizer, merge_lora=False, fast_decode=False).sample(contexts, params)
+        merged_sampler = HFSampler(model, tokenizer, merge_lora=True, fast_decode=False)
         merged = merged_sampler.sample(contexts, params)
         assert merged_sampler._merged._merged  # the merged path ran
         for a, b in zip(plain, merged, strict=True):
@@ -92,13 +93,13 @@ def test_merged_lora_samples_what_the_lora_forward_does_and_restores_the_base(ti
 
 def test_one_merged_sampler_follows_the_weights_across_calls(tiny_model, tokenizer):
     model = attach_lora(tiny_model, LoraConfig(r=4, alpha=8))
-    sampler = HFSampler(model, tokenizer, merge_lora=True)
+    sampler = HFSampler(model, tokenizer, merge_lora=True, fast_decode=False)
     params = SamplingParams(temperature=0.0, max_tokens=6, top_k_logprobs=2, seed=0)
     contexts = _contexts()
     for seed in range(2):
         perturb_lora(model, seed=seed)
         got = sampler.sample(contexts, params)
-        want = HFSampler(model, tokenizer, merge_lora=False).sample(contexts, params)
+        want = HFSampler(model, tokenizer, merge_lora=False, fast_decode=False).sample(contexts, params)
         assert [s.ids for s in got] == [s.ids for s in want]
         pairs = [(x, y) for a, b in zip(got, want, strict=True) for x, y in zip(a.logprobs, b.logprobs, strict=True)]
         gap = max(abs(x - y) for x, y in pairs)

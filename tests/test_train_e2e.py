@@ -14,9 +14,10 @@ from toy_envs import CountEnv
 from turnrl.cli import app
 from turnrl.config import parse_config
 from turnrl.envs import register_env
-from turnrl.rundir import read_jsonl
+from turnrl.rundir import RunDir, read_jsonl
 from turnrl.tracking import read_csv
 from turnrl.train.loop import ResumeError, train
+from turnrl.train.summary import read_summary
 
 
 def tiny_config(tmp_path, **sections):
@@ -79,7 +80,9 @@ def test_two_step_run_writes_every_file_and_trains_the_adapter(tmp_path):
     assert [s["step"] for s in steps] == [1, 2]
     evals = read_csv(run / "progress/eval.csv")
     assert [(r["step"], r["label"]) for r in evals] == [(0, "base"), (1, "step"), (2, "final")]
-    assert set(summary) == {"base", "final"} and "success_rate" in summary["final"]
+    assert summary.complete and summary.base is not None and len(summary.iterations) == 1
+    assert summary.final is not None and "success_rate" in summary.final
+    assert read_summary(RunDir(run)) == summary  # the record on disk is the one returned
     episodes = read_jsonl(run / "rollouts/iter_000.jsonl")
     assert len(episodes) == 2 * 2 * 4
     assert all(ep.validate() == [] for ep in episodes)
@@ -163,5 +166,5 @@ def test_sync_to_copies_the_run_and_resume_pulls_it_back(tmp_path):
         assert (remote / "e2e" / rel).read_bytes() == (run / rel).read_bytes(), rel
     shutil.rmtree(run)  # a new machine: only the remote copy is left
     summary = train(cfg, resume=True)
-    assert (run / "checkpoint/state.pt").exists() and "final" in summary
+    assert (run / "checkpoint/state.pt").exists() and summary.complete and summary.final is not None
     assert [r["step"] for r in read_csv(run / "progress/train.csv")] == [1]

@@ -26,7 +26,12 @@ import pytest
 
 USER = "turnrl-hostile"
 REPO = Path(__file__).resolve().parents[1]
-SUITES = ["tests/test_sandbox.py", "tests/test_hostile.py", "tests/test_sandbox_limits.py"]
+SUITES = [
+    "tests/test_sandbox.py",
+    "tests/test_hostile.py",
+    "tests/test_sandbox_limits.py",
+    "tests/test_hostile_input_cases.py",
+]
 INNER = "TURNRL_UNPRIVILEGED_RUN"
 
 

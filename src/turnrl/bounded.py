@@ -33,6 +33,31 @@ FREE_FORM_NODES = 10_000
 REPR_CHARS = 120
 """Longest repr of a user's value in an error message."""
 
+# ---- the sizes a config or a command-line option may ask for (each checked where it is read)
+
+MAX_TOKENS_PER_TURN = 1 << 20
+"""Upper limit of ``sampler.max_tokens`` / ``eval.max_tokens`` (1,048,576: beyond any model's context)."""
+MAX_GROUP = 1 << 16
+"""Upper limit of ``rollout.group_size``, ``rollout.tasks_per_step`` and the product of ``rollout.branching``."""
+MAX_EPISODES_PER_STEP = 1 << 16
+"""Most episodes one step may collect: ``rollout.tasks_per_step`` × episodes per task (65,536)."""
+MAX_ITERATIONS = 10_000
+"""Upper limit of ``loop.iterations`` and of the CLI's ``--iteration`` / ``--start-iter`` (iteration n merges
+n adapters into the base: past a few hundred the merges alone dominate a run)."""
+MAX_TOKENS_PER_STEP = 1 << 28
+"""Most tokens one step may sample: episodes × ``rollout.max_turns`` × ``sampler.max_tokens`` (268,435,456;
+about 2 GiB of token ids and log-probs before any model memory)."""
+MAX_LORA_RANK = 4096
+"""Upper limit of ``lora.r`` and of the rank of an adapter read from disk (:mod:`turnrl.adapterfile`)."""
+MAX_AUDIT_EPISODES = 4096
+"""``credit-audit --episodes``: audited episodes (each costs M rollouts per turn for its ground truth)."""
+MAX_AUDIT_REPEATS = 1000
+"""``credit-audit --repeats``: independent estimator batches (each one collector call per shape)."""
+MAX_AUDIT_SHAPES = 16
+"""``credit-audit --shapes``: branched shapes audited side by side."""
+MAX_AUDIT_TASKS = 1 << 20
+"""``credit-audit --num-tasks``: the first N tasks of the split (a task file holds fewer)."""
+
 _REPR = reprlib.Repr()
 _REPR.maxlevel = 3
 _REPR.maxstring = _REPR.maxother = 80

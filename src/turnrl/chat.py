@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import re
 import secrets
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from turnrl.types import SOURCES, Message, TokenIds, run_lengths
@@ -27,7 +29,7 @@ def strip_think(text: str) -> str:
     """Drop everything up to and including the last ``</think>``, then leading newlines.
 
     Used when re-rendering earlier assistant messages into a later turn's
-    context (``credit.exclude_think``). The leading newlines go as well, as
+    context (``model.exclude_think``). The leading newlines go as well, as
     Qwen3's chat template does when it hides past reasoning. Text without
     ``</think>`` is returned unchanged.
     """
@@ -135,15 +137,22 @@ class ChatTemplate:
         return self.tokenizer.pad_token_id
 
     def initial(self, messages: list[Message], tools: list[dict[str, Any]] | None = None) -> TokenIds:
-        """The first context: the opening messages with a generation prompt."""
-        return render_ids(self.tokenizer, messages, True, tools, **self.template_kwargs)
+        """The first context: the opening messages with a generation prompt (with ``exclude_think``, an
+        assistant message among them without its thinking: a replayed prefix renders as it did live)."""
+        return render_ids(self.tokenizer, self._shown(messages), True, tools, **self.template_kwargs)
+
+    def _shown(self, messages: list[Message]) -> list[Message]:
+        """``messages`` as rendered: with ``exclude_think``, assistant messages without their thinking."""
+        if not self.exclude_think:
+            return messages
+        return [{**m, "content": strip_think(m["content"])} if m["role"] == "assistant" else m for m in messages]
 
     def initial_with_sources(
         self, messages: list[Message], tools: list[dict[str, Any]] | None = None
     ) -> tuple[TokenIds, list[list[Any]]]:
         """:meth:`initial` and the provenance of its tokens (run-length ``[[source, n], ...]``)."""
         ids = self.initial(messages, tools)
-        return ids, run_lengths(self._sources(ids, [], messages, tools))
+        return ids, run_lengths(self._sources(ids, [], self._shown(messages), tools))
 
     def _generation_suffix(self) -> TokenIds:
         """The tokens a generation prompt appends (rendered once; e.g. ``<|im_start|>assistant\n``)."""
@@ -223,9 +232,7 @@ class ChatTemplate:
         given: the action and the template's end-of-turn bridge are ``assistant``, then each reply message."""
         kw = self.template_kwargs
         if self.exclude_think:
-            stripped = [
-                {**m, "content": strip_think(m["content"])} if m["role"] == "assistant" else m for m in history + reply
-            ]
+            stripped = self._shown(history + reply)
             ids = render_ids(self.tokenizer, stripped, True, tools, **kw)
             return ids, (run_lengths(self._sources(ids, [], stripped, tools)) if sources is not None else None)
         before = render_ids(self.tokenizer, history, False, tools, **kw)
@@ -247,3 +254,18 @@ class ChatTemplate:
         new = self._sources(after, history, reply, tools, start=len(before))
         flat = [src for src, n in sources for _ in range(n)] + ["assistant"] * (len(action_ids) + len(bridge)) + new
         return ids, run_lengths(flat)
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """How a run renders its chats, resolved once (``model.chat_template_kwargs``, ``model.exclude_think``).
+
+    Training, its held-out evaluation, ``turnrl eval`` and ``turnrl credit-audit`` all build their
+    template with :meth:`template` from this one object, so one config gives one context everywhere.
+    """
+
+    template_kwargs: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    exclude_think: bool = False
+
+    def template(self, tokenizer: Any) -> ChatTemplate:
+        return ChatTemplate(tokenizer, dict(self.template_kwargs), exclude_think=self.exclude_think)

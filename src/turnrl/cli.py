@@ -9,7 +9,21 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from turnrl.bounded import (
+    MAX_AUDIT_EPISODES,
+    MAX_AUDIT_REPEATS,
+    MAX_AUDIT_SHAPES,
+    MAX_AUDIT_TASKS,
+    MAX_GROUP,
+    MAX_ITERATIONS,
+)
+from turnrl.bounded import MAX_EPISODES_PER_STEP as _CALL
 from turnrl.lab.cli import lab_app
+
+MAX_PROCESSES = 64
+"""``train --processes``: processes on one machine (one per accelerator)."""
+MAX_ROWS = 100_000
+"""``rows --limit``: rows listed (more than anyone reads on a terminal)."""
 
 app = typer.Typer(
     help="Reinforcement learning of language models on multi-turn tasks, with turn-level credit.",
@@ -50,7 +64,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
     ``ValueError`` covers the checks of environments, estimators and losses (unknown option,
     split, scripted policy...) and every input error of the project (``ConfigError``,
-    ``TaskFileError``, ``ExperimentError``: each names its file, line or key); ``OSError``
+    ``TaskFileError``, ``ExperimentError``, ``AdapterError``: each names its file, line or key); ``ServerError``
+    a server that failed or answered wrong (naming it); ``OSError``
     unreadable or unwritable paths; ``yaml.YAMLError`` and ``RecursionError`` are the last resort
     for input read outside those readers (a YAML file, a value nested too deeply).
     """
@@ -61,6 +76,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     import yaml
 
     from turnrl.models import ModelNotFoundError
+    from turnrl.sampling.replies import ServerError
     from turnrl.sandbox import SandboxUnavailable
     from turnrl.train.checkpoint import ResumeError
 
@@ -69,6 +85,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
         OSError,
         ModelNotFoundError,
         ResumeError,
+        ServerError,
         ImportError,
         SandboxUnavailable,
         yaml.YAMLError,
@@ -91,6 +108,15 @@ def _fail(exc: BaseException) -> None:
         message = message[:4000] + " ..."
     console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
     raise typer.Exit(2)
+
+
+def _within(option: str, value: int | None, low: int, high: int) -> None:
+    """Refuse an option outside ``low..high`` in one line (the bounds the help text states), before the
+    command reads anything; None (not given) passes."""
+    if value is not None and value < low:
+        raise ValueError(f"{option} must be >= {low} (got {value})")
+    if value is not None and value > high:
+        raise ValueError(f"{option} must be <= {high:,} (got {value:,}); the help text gives each option's range")
 
 
 def _load(config: Path, overrides: list[str] | None, run_name: str | None = None):
@@ -119,17 +145,26 @@ def train(
         Path | None, typer.Option(help="Continue the run in this directory from its last checkpoint.")
     ] = None,
     start_iter: Annotated[
-        int | None, typer.Option(min=0, help="Start at outer iteration N, on saved adapters 0..N-1.")
+        int | None,
+        typer.Option(help=f"Start at outer iteration N (0..{MAX_ITERATIONS:,}), on adapters 0..N-1."),
     ] = None,
     allow_config_change: Annotated[bool, typer.Option(help="Resume even if the config changed.")] = False,
     processes: Annotated[
-        int, typer.Option(min=1, help="Train on N processes (one per GPU), launched through accelerate.")
+        int,
+        typer.Option(
+            help=f"Train on N processes (one per GPU, 1..{MAX_PROCESSES}), launched through accelerate.",
+        ),
     ] = 1,
     fsdp: Annotated[
         bool, typer.Option(help="With --processes N: shard the frozen base over the processes (FSDP2).")
     ] = False,
 ) -> None:
     """Train: evaluate the base, then collect → credit → update, evaluating every N steps and at the end."""
+    try:
+        _within("--start-iter", start_iter, 0, MAX_ITERATIONS)
+        _within("--processes", processes, 1, MAX_PROCESSES)
+    except ValueError as exc:
+        _fail(exc)
     if fsdp and processes == 1:
         _fail(ValueError("--fsdp shards the base over several processes: add --processes N (N >= 2)"))
     if processes > 1:
@@ -214,19 +249,24 @@ def eval_(
     adapter: Annotated[Path | None, typer.Option(help="A saved peft adapter directory to evaluate.")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="Run directory whose adapters --iteration refers to.")] = None,
     iteration: Annotated[
-        int | None, typer.Option(help="Evaluate the merged model after iteration N (needs --run-dir).")
+        int | None,
+        typer.Option(
+            help=f"Evaluate the merged model after iteration N (0..{MAX_ITERATIONS:,}; needs --run-dir).",
+        ),
     ] = None,
     tasks: Annotated[Path | None, typer.Option(help="Task JSONL file (default: the config's eval tasks).")] = None,
     scripted: Annotated[
         str | None, typer.Option(help="Evaluate a scripted policy of the environment instead of a model.")
     ] = None,
-    max_turns: Annotated[int | None, typer.Option(help="Collector turn limit.")] = None,
+    max_turns: Annotated[int | None, typer.Option(help=f"Collector turn limit (1..{MAX_GROUP:,}).")] = None,
     out: Annotated[Path | None, typer.Option(help="Write the metrics as a CSV row to this file.")] = None,
     set_: SetOpt = None,
 ) -> None:
     """Evaluate the base model, an adapter, a merged iteration, or a scripted policy on held-out tasks."""
     try:
-        from turnrl.eval import run_eval
+        _within("--iteration", iteration, 0, MAX_ITERATIONS)
+        _within("--max-turns", max_turns, 1, MAX_GROUP)
+        from turnrl.train.standalone import run_eval
 
         cfg = _load(config, set_)
         run_eval(
@@ -249,28 +289,69 @@ def credit_audit_(
     config: ConfigArg,
     adapter: Annotated[Path | None, typer.Option(help="Audit a saved peft adapter instead of the base.")] = None,
     scripted: Annotated[str | None, typer.Option(help="Audit a scripted policy of the environment.")] = None,
-    episodes: Annotated[int, typer.Option(help="Audited episodes N (tasks in turn).")] = 8,
-    continuations: Annotated[int, typer.Option(help="Monte-Carlo rollouts M per value estimate.")] = 8,
-    leaves: Annotated[int, typer.Option(help="Sampled leaves per task for every estimator.")] = 8,
-    repeats: Annotated[int, typer.Option(help="Independent estimator batches R.")] = 4,
-    shapes: Annotated[str | None, typer.Option(help="Branched shapes G1xG2 (product = leaves), e.g. 2x4.")] = None,
-    gamma: Annotated[float, typer.Option(help="Discount of the return A* is defined on.")] = 1.0,
+    episodes: Annotated[int, typer.Option(help=f"Audited episodes N (tasks in turn; 1..{MAX_AUDIT_EPISODES:,}).")] = 8,
+    continuations: Annotated[
+        int, typer.Option(help=f"Monte-Carlo rollouts M per value estimate (2..{MAX_GROUP:,}; N x M <= {_CALL:,}).")
+    ] = 8,
+    leaves: Annotated[
+        int, typer.Option(help=f"Sampled leaves L per task for every estimator (2..{MAX_GROUP:,}; N x L <= {_CALL:,}).")
+    ] = 8,
+    repeats: Annotated[int, typer.Option(help=f"Independent estimator batches R (1..{MAX_AUDIT_REPEATS:,}).")] = 4,
+    shapes: Annotated[
+        str | None,
+        typer.Option(help=f"Branched shapes G1xG2 (product = leaves; at most {MAX_AUDIT_SHAPES}), e.g. 2x4."),
+    ] = None,
+    gamma: Annotated[float, typer.Option(help="Discount of the return A* is defined on, in [0, 1].")] = 1.0,
     split: Annotated[str, typer.Option(help="Task split: train or eval.")] = "train",
-    num_tasks: Annotated[int | None, typer.Option(help="Use the first N tasks of the split.")] = None,
+    num_tasks: Annotated[
+        int | None, typer.Option(help=f"Use the first N tasks of the split (1..{MAX_AUDIT_TASKS:,}).")
+    ] = None,
     out: Annotated[Path, typer.Option(help="Directory for credit_audit.json and credit_audit.png.")] = Path(
         "credit_audit"
     ),
+    records: Annotated[
+        Path | None,
+        typer.Option(help="Audit the first --episodes episodes of this record file (written by TRL, verl, ...)."),
+    ] = None,
     set_: SetOpt = None,
 ) -> None:
     """How right each credit estimator is, per turn, against Monte-Carlo A* = Q − V (docs/algorithms.md)."""
     try:
         from turnrl.audit.run import AuditSettings, credit_audit, parse_shapes
 
+        settings = AuditSettings.from_options(
+            episodes=episodes,
+            continuations=continuations,
+            leaves=leaves,
+            repeats=repeats,
+            gamma=gamma,
+            split=split,
+            shapes=parse_shapes(shapes),
+            num_tasks=num_tasks,
+        )  # before the config and the model: a bad option costs nothing
         cfg = _load(config, set_)
-        settings = AuditSettings(
-            episodes, continuations, leaves, repeats, gamma, split, parse_shapes(shapes), num_tasks
-        )
-        credit_audit(cfg, settings, out, console, adapter=adapter, scripted=scripted)
+        credit_audit(cfg, settings, out, console, adapter=adapter, scripted=scripted, records=records)
+    except _user_errors() as exc:
+        _fail(exc)
+
+
+# ---- turnrl credit: advantages for records written elsewhere (turnrl.integrations.credit)
+
+
+@app.command("credit")
+def credit_(
+    records: Annotated[Path, typer.Argument(help="A record file (JSONL, one episode a line; docs/integrations.md).")],
+    estimator: Annotated[str, typer.Option(help="A registered credit estimator: group_mean, branched, stepwise, ...")],
+    out: Annotated[Path, typer.Option(help="Where to write the records with every turn's advantage filled in.")],
+    set_: Annotated[
+        list[str] | None, typer.Option("--set", help="The estimator's parameters: --set credit.gamma=0.9 (repeatable).")
+    ] = None,
+) -> None:
+    """Assign a credit estimator's per-turn advantages to recorded episodes; write them back as records."""
+    try:
+        from turnrl.integrations.credit import run_credit
+
+        run_credit(records, estimator, set_ or [], out, console)
     except _user_errors() as exc:
         _fail(exc)
 
@@ -303,12 +384,18 @@ def model_prepare() -> None:
 @app.command("export")
 def export_(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
-    iteration: Annotated[int, typer.Option(help="The outer iteration to export (its adapters 0..N merged).")],
+    iteration: Annotated[
+        int,
+        typer.Option(
+            help=f"The outer iteration to export (0..{MAX_ITERATIONS:,}; its adapters 0..N merged).",
+        ),
+    ],
     out: Annotated[Path, typer.Option(help="Output directory (new or empty).")],
     adapter_only: Annotated[bool, typer.Option(help="Copy the peft adapter instead (iteration 0 only).")] = False,
 ) -> None:
     """Write iteration N as a Hugging Face model directory (base + adapters 0..N merged) that vLLM serves."""
     try:
+        _within("--iteration", iteration, 0, MAX_ITERATIONS)
         from turnrl.export import export
 
         console.print(f"wrote {export(run_dir, iteration, out, adapter_only=adapter_only)}")
@@ -335,11 +422,11 @@ def report(
 ) -> None:
     """Write a self-contained RUN_DIR/report.html (plots, tables, transcript browser)."""
     try:
-        from turnrl.config import load_config
+        from turnrl.config import load_run_config
         from turnrl.models import load_tokenizer
         from turnrl.tracking import make_plots, write_report
 
-        cfg = load_config(run_dir / "config.yaml")
+        cfg = load_run_config(run_dir / "config.yaml")
         if plots:
             make_plots(run_dir)
         console.print(f"wrote {write_report(run_dir, tokenizer=load_tokenizer(cfg.model.name))}")
@@ -350,10 +437,11 @@ def report(
 @app.command()
 def rows(
     run_dir: Annotated[Path, typer.Argument(help="A run directory.")],
-    limit: Annotated[int, typer.Option(min=0, help="Rows listed before the totals (0: totals only).")] = 20,
+    limit: Annotated[int, typer.Option(help=f"Rows listed before the totals (0..{MAX_ROWS:,}; 0: totals only).")] = 20,
 ) -> None:
     """The mask report: each training row's tokens by source and the dilution of the policy's own tokens."""
     try:
+        _within("--limit", limit, 0, MAX_ROWS)
         from turnrl.tracking.provenance import print_mask_report
 
         print_mask_report(run_dir, console, limit=limit)

@@ -25,37 +25,27 @@ from pydantic import (
     model_validator,
 )
 
-from turnrl.bounded import MAX_NODES, InputTooLarge, check_bounded, short_repr
-from turnrl.configfile import apply_overrides, read_config_data
+from turnrl.bounded import (  # the sizes a config may ask for live with the other input bounds
+    MAX_EPISODES_PER_STEP,
+    MAX_GROUP,
+    MAX_ITERATIONS,
+    MAX_LORA_RANK,
+    MAX_NODES,
+    MAX_TOKENS_PER_STEP,
+    MAX_TOKENS_PER_TURN,
+    InputTooLarge,
+    check_bounded,
+    short_repr,
+)
+from turnrl.configfile import apply_overrides, read_config_data, refuse_moved, upgrade_saved
 from turnrl.losses import MismatchConfig
 from turnrl.sections import ConfigError, located
 from turnrl.sections import PluginSection as _PluginSection
 from turnrl.sections import Section as _Section
 
-MAX_TOKENS_PER_TURN = 1 << 20
-"""Upper limit of ``sampler.max_tokens`` / ``eval.max_tokens`` (1,048,576: beyond any model's context)."""
-MAX_GROUP = 1 << 16
-"""Upper limit of ``rollout.group_size``, ``rollout.tasks_per_step`` and the product of ``rollout.branching``."""
-MAX_EPISODES_PER_STEP = 1 << 16
-"""Most episodes one step may collect: ``rollout.tasks_per_step`` × episodes per task (65,536)."""
-MAX_TOKENS_PER_STEP = 1 << 28
-"""Most tokens one step may sample: episodes × ``rollout.max_turns`` × ``sampler.max_tokens`` (268,435,456;
-about 2 GiB of token ids and log-probs before any model memory)."""
-
-
-def _refuse_moved(data: Any, section: str, keys: tuple[str, ...], to: str = "rollout") -> Any:
-    """Refuse keys that moved to the section whose stage reads them, naming the new key."""
-    if isinstance(data, dict):
-        moved = [k for k in keys if k in data]
-        if moved:
-            raise ValueError(
-                "; ".join(f"{section}.{k} moved to {to}.{k} (the collector applies it): write {to}.{k}" for k in moved)
-            )
-    return data
-
 
 class LoraConfig(_Section):
-    r: int = Field(16, ge=1, le=4096)
+    r: int = Field(16, ge=1, le=MAX_LORA_RANK)
     alpha: float = Field(32.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: list[str] = ["q_proj", "k_proj", "v_proj", "o_proj"]
@@ -70,6 +60,9 @@ class ModelConfig(_Section):
     lora: LoraConfig = LoraConfig()
     chat_template_kwargs: dict[str, Any] = {}
     """Extra arguments for ``apply_chat_template`` (e.g. ``enable_thinking: false``)."""
+    exclude_think: bool = False
+    """Strip earlier turns' thinking (up to ``</think>``) from later turns' context (training,
+    evaluation and the credit audit alike; the chat template applies it)."""
 
 
 class EnvConfig(_Section):
@@ -141,13 +134,11 @@ class CreditConfig(_PluginSection):
 
     _registry = ("turnrl.credit", "ESTIMATORS", "estimator")
     estimator: str = "group_mean"
-    exclude_think: bool = False
-    """Strip earlier turns' thinking (up to ``</think>``) from later turns' context."""
 
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
-        return _refuse_moved(data, "credit", ("shaping", "shaping_gamma"))
+        return refuse_moved(data, "credit")
 
 
 class LossConfig(_PluginSection):
@@ -177,6 +168,10 @@ class TrainConfig(_Section):
     """Unique tokens per packed sequence with ``shared_prefix`` (bounds the N×N attention mask)."""
     num_iterations: int = Field(1, ge=1)
     """Optimizer passes over each batch of rollouts (PPO epochs)."""
+    target_kl: float | None = Field(None, gt=0)
+    """Stop a step's passes when ``approx_kl`` (KL(π_old ‖ π) on the batch) exceeds this: the pass that
+    measures it is not applied. Unset: every pass runs; with ``num_iterations: 1`` it never acts (the
+    first pass's KL is 0)."""
     decompose_turns: bool = False
     """One forward/backward per turn group (requires token_sum, beta 0, num_iterations 1)."""
     gradient_checkpointing: bool = False
@@ -196,7 +191,7 @@ class TrainConfig(_Section):
     @model_validator(mode="before")
     @classmethod
     def _moved(cls, data: Any) -> Any:
-        return _refuse_moved(data, "train", ("truncated_completion_reward",))
+        return refuse_moved(data, "train")
 
 
 class EvalConfig(_Section):
@@ -213,7 +208,7 @@ class EvalConfig(_Section):
 
 
 class LoopConfig(_Section):
-    iterations: int = Field(1, ge=1)
+    iterations: int = Field(1, ge=1, le=MAX_ITERATIONS)
     """Outer iterations; iteration n trains a fresh adapter on the base with adapters 0..n-1 merged."""
     steps_per_iteration: int | None = Field(None, ge=1)
     """Steps in each iteration (default: train.steps)."""
@@ -256,8 +251,10 @@ class RunConfig(_Section):
 
     @property
     def sampler_differs(self) -> bool:
-        """The sampler's weights can differ from the trainer's: stale (``refresh_every`` > 1) or its own copy."""
-        return self.sampler.refresh_every > 1 or not self.sampler.spec.shares_weights
+        """The sampler's log-probs can differ from the trainer's: stale weights (``refresh_every`` > 1), its own
+        copy of them, or settings of its own that round them (``SamplerParams.differs_from_trainer``)."""
+        s = self.sampler
+        return s.refresh_every > 1 or not s.spec.shares_weights or getattr(s.params, "differs_from_trainer", False)
 
     def _resolve_mismatch(self) -> None:
         """``loss.mismatch.mode: auto`` → TRL's default correction (sequence-level masked IS, C = 3)
@@ -347,7 +344,7 @@ class RunConfig(_Section):
     @property
     def per_turn_rows(self) -> bool:
         """Train each turn as its own row (per-turn credit, per-turn passes, or re-rendered contexts)."""
-        return self.credit.spec.per_turn_rows or self.train.decompose_turns or self.credit.exclude_think
+        return self.credit.spec.per_turn_rows or self.train.decompose_turns or self.model.exclude_think
 
     @property
     def episodes_per_task(self) -> int:
@@ -425,6 +422,11 @@ def parse_config(data: dict[str, Any], source: str = "") -> RunConfig:
 def load_config(path: str | Path, overrides: list[str] | None = None) -> RunConfig:
     """Read a YAML config, apply overrides, validate."""
     return parse_config(apply_overrides(read_config_data(path), overrides or []), str(path))
+
+
+def load_run_config(path: str | Path) -> RunConfig:
+    """The config a run directory saved (``config.yaml``), keys that moved since read at their new place."""
+    return parse_config(upgrade_saved(read_config_data(path)), str(path))
 
 
 # Config keys a resumed run may change without invalidating what was trained so far.

@@ -7,10 +7,8 @@ from dataclasses import dataclass, replace
 
 from rich.table import Table
 
-from turnrl import envs
 from turnrl.chat import ChatTemplate
 from turnrl.config import RunConfig
-from turnrl.envs.splits import TaskSource
 from turnrl.rollout.collect import RolloutSettings, collect
 from turnrl.sampling.base import Sampler
 from turnrl.types import Episode, SamplingParams, StopReason, Task
@@ -158,77 +156,3 @@ def comparison_table(rows: dict[str, dict[str, float]], title: str = "held-out e
     if num:
         table.caption = f"{int(num)} games; ± = standard error"
     return table
-
-
-def run_eval(
-    cfg: RunConfig,
-    console,
-    *,
-    adapter=None,
-    run_dir=None,
-    iteration: int | None = None,
-    tasks=None,
-    scripted: str | None = None,
-    max_turns: int | None = None,
-    out=None,
-) -> dict[str, float]:
-    """Standalone evaluation: base model, one adapter, the merged model of an iteration, or a scripted policy.
-
-    ``max_turns`` overrides ``rollout.max_turns`` for this evaluation (``cfg`` is not changed)."""
-    import csv
-    from pathlib import Path
-
-    settings = EvalSettings.from_config(cfg)
-    if max_turns is not None:
-        settings = replace(settings, rollout=replace(settings.rollout, max_turns=max_turns))
-    source = TaskSource.from_config(cfg)
-    task_list = envs.tasks_from_file(cfg.env.name, tasks, "eval") if tasks is not None else source.tasks("eval")
-    sampler, tokenizer, label = policy_sampler(
-        cfg, adapter=adapter, run_dir=run_dir, iteration=iteration, scripted=scripted
-    )
-    chat = ChatTemplate(tokenizer, cfg.model.chat_template_kwargs)
-    result = evaluate(task_list, sampler, chat, settings, seed=cfg.seed)
-    console.print(comparison_table({label: result.metrics}, f"evaluation on {len(task_list)} tasks"))
-    if out is not None:
-        out = Path(out)
-        new = not out.exists()
-        out.parent.mkdir(parents=True, exist_ok=True)
-        with out.open("a", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=["label", *result.metrics])
-            if new:
-                writer.writeheader()
-            writer.writerow({"label": label, **result.metrics})
-    return result.metrics
-
-
-def policy_sampler(cfg: RunConfig, *, adapter=None, run_dir=None, iteration: int | None = None, scripted=None):
-    """The policy to evaluate or audit as (sampler, tokenizer, label): the config's base model, with
-    the merged adapters of ``iteration`` of ``run_dir`` and/or one ``adapter``, or the environment's
-    scripted policy ``scripted``."""
-    from pathlib import Path
-
-    from turnrl.models import load_adapter, load_model, load_tokenizer, merge_adapters
-    from turnrl.rundir import RunDir
-    from turnrl.sampling import SamplerSettings, make_sampler
-    from turnrl.sampling.scripted import ScriptedSampler
-
-    if scripted:
-        policies = envs.get_env_class(cfg.env.name).scripted_policies()
-        if scripted not in policies:
-            raise ValueError(
-                f"environment {cfg.env.name!r} has no scripted policy {scripted!r}; available: {sorted(policies)}"
-            )
-        tokenizer = load_tokenizer(cfg.model.name)
-        return ScriptedSampler(policies[scripted], tokenizer), tokenizer, f"scripted:{scripted}"
-    model, tokenizer = load_model(cfg.model, seed=cfg.seed)
-    label = "base"
-    if iteration is not None:
-        if run_dir is None:
-            raise ValueError("--iteration needs --run-dir (the run whose adapters to merge)")
-        dirs = RunDir(Path(run_dir)).adapters_through(iteration, purpose=f"--iteration {iteration}")
-        model = merge_adapters(model, dirs)
-        label = f"iteration {iteration}"
-    if adapter is not None:
-        model = load_adapter(model, adapter)
-        label = f"adapter {adapter}"
-    return make_sampler(SamplerSettings.from_config(cfg.sampler), model, tokenizer, stale=False), tokenizer, label

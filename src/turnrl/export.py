@@ -17,7 +17,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from turnrl.config import load_config
+from turnrl.config import load_run_config
 from turnrl.models import DTYPES, load_model, merge_adapters
 from turnrl.rundir import RunDir
 
@@ -50,7 +50,7 @@ def export(run_dir: str | Path, iteration: int, out: str | Path, *, adapter_only
     run, out = RunDir(Path(run_dir)), Path(out)
     if not run.config.exists():
         raise FileNotFoundError(f"{run_dir} is not a run directory (no config.yaml)")
-    cfg = load_config(run.config)
+    cfg = load_run_config(run.config)
     dirs = _adapters(run, iteration)
     info = {
         "run_dir": str(run.root.resolve()),

@@ -18,6 +18,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
+from turnrl.adapterfile import AdapterError, check_adapter_dir
 from turnrl.config import LoraConfig, ModelConfig
 from turnrl.rundir import write_failure
 
@@ -218,19 +220,35 @@ def save_adapter(model: PeftModel, path: str | Path) -> Path:
     return _atomic_dir(path, build)
 
 
+def _peft_load(model, path: str | Path, **kwargs) -> PeftModel:
+    """``PeftModel.from_pretrained`` on an adapter directory that passed :func:`check_adapter_dir`;
+    what peft still refuses (a matrix that does not fit the base model) is one :class:`AdapterError`."""
+    check_adapter_dir(path)
+    try:
+        return PeftModel.from_pretrained(model, str(path), **kwargs)
+    except (RuntimeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise AdapterError(
+            f"adapter {path} does not fit the base model ({type(exc).__name__}: {str(exc)[:300]}); was it trained"
+            " on this model.name?"
+        ) from None
+
+
 def load_adapter(base_model, path: str | Path, trainable: bool = False) -> PeftModel:
-    """Attach a saved peft adapter to a base model."""
-    return PeftModel.from_pretrained(base_model, str(path), is_trainable=trainable)
+    """Attach a saved peft adapter to a base model (the directory checked first: :mod:`turnrl.adapterfile`)."""
+    return _peft_load(base_model, path, is_trainable=trainable)
 
 
-def merge_adapters(base_model, adapter_dirs: list[str | Path]):
+def merge_adapters(base_model, adapter_dirs: Sequence[str | Path]):
     """Fold saved adapters into the base weights, one after another.
 
     The merge is computed in float32 and cast back to the model's dtype, so
     small LoRA deltas do not vanish in bf16. Returns the plain (unwrapped) model.
+    Every directory is checked (:func:`turnrl.adapterfile.check_adapter_dir`) before the first merge.
     """
+    for path in adapter_dirs:
+        check_adapter_dir(path)
     dtype = next(base_model.parameters()).dtype
     model = base_model.to(torch.float32)
     for path in adapter_dirs:
-        model = PeftModel.from_pretrained(model, str(path)).merge_and_unload()
+        model = _peft_load(model, path).merge_and_unload()
     return model.to(dtype)

@@ -7,6 +7,11 @@ the line (nesting past :data:`turnrl.bounded.MAX_DEPTH`, a ``params`` that is no
 an object, a check of the environment that trips over an odd value). Training draws tasks
 from an endless stream whose epochs are seeded permutations, so a resumed run
 continues where it stopped.
+
+A task file is data: it cannot choose code. :func:`check_task_file` holds a run's file to
+the rules (issue 33): every line names the run's environment (the config's ``env.name``, or a
+registered name of the same class; any other name is refused unread, never imported), says
+the split the file is read as (or none), and has a ``task_id`` of its own.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +91,7 @@ def load_task_file(
         if not isinstance(task_split, str):
             raise TaskFileError(f"{where}: field 'split' must be a string, got {short_repr(task_split)}")
         params.update(obj)
-        task = Task(task_id=task_id, env=env, params=params, split=task_split)
+        task = Task(task_id=task_id, env=env, params=params, split=task_split, origin=where)
         if validate is not None:
             try:
                 validate(task, where)
@@ -96,6 +102,40 @@ def load_task_file(
     if not tasks:
         raise TaskFileError(f"{path}: no tasks found (the file is empty)")
     return tasks
+
+
+def check_task_file(tasks: list[Task], *, env_name: str, split: str, names_env: Callable[[str], bool]) -> list[Task]:
+    """The tasks of one task file held to the run's rules, each naming ``env_name`` from now on.
+
+    ``names_env(name)`` says whether a line's ``env`` is the run's environment (the caller
+    compares names only, it imports nothing). Refused, with one :class:`TaskFileError` naming
+    the file, line and field: a task of another environment (or an import path the config did
+    not give), a task whose ``split`` is not the split the file is read as (a train file of eval
+    lines), a ``task_id`` given twice (per-task statistics would merge them).
+    """
+    seen: dict[str, str] = {}
+    out = []
+    for task in tasks:
+        where = task.origin or f"task {short_repr(task.task_id)}"
+        if not names_env(task.env):
+            raise TaskFileError(
+                f"{where}: field 'env' is {short_repr(task.env)}, but this run's environment is"
+                f" {short_repr(env_name)} (env.name of the config); a task file names that environment"
+                " (or its registered name) and cannot choose code: fix the line, or env.name"
+            )
+        if str(task.split) != str(split):
+            raise TaskFileError(
+                f"{where}: field 'split' is {short_repr(task.split)}, but this file is read as the"
+                f" {short_repr(str(split))} tasks; drop the field or give the file as the other split's"
+            )
+        if task.task_id in seen:
+            raise TaskFileError(
+                f"{where}: field 'task_id' {short_repr(task.task_id)} is given again (first at {seen[task.task_id]});"
+                " task ids are unique within a file (per-task statistics are kept by id): rename one"
+            )
+        seen[task.task_id] = where
+        out.append(task if task.env == env_name else replace(task, env=env_name))
+    return out
 
 
 class TaskStream:

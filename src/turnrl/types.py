@@ -76,6 +76,8 @@ class Task:
     env: str
     params: dict[str, Any] = field(default_factory=dict)
     split: str = SplitName.TRAIN
+    origin: str = field(default="", compare=False, repr=False)
+    """Where the task was read (``file:line`` of a task file; empty for generated tasks), for errors."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"task_id": self.task_id, "env": self.env, "params": self.params, "split": str(self.split)}

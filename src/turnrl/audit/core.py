@@ -24,7 +24,6 @@ from __future__ import annotations
 import copy
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -45,9 +44,9 @@ class Rollouts:
     sampler: Sampler
     chat: ChatTemplate
     params: SamplingParams
-    env_options: dict[str, Any] = field(default_factory=dict)
-    max_turns: int | None = None
-    max_context_tokens: int | None = None
+    settings: RolloutSettings = field(default_factory=RolloutSettings)
+    """The run's collector limits and environment options (a replayed task's own horizon replaces
+    ``max_turns``)."""
     calls: int = 0
     episodes: int = 0
     model_turns: int = 0
@@ -61,19 +60,8 @@ class Rollouts:
             return []
         self.calls += 1
         params = replace(self.params, seed=self.params.seed + 7919 * self.calls)
-        episodes = collect(
-            tasks,
-            self.sampler,
-            self.chat,
-            params,
-            shape,
-            RolloutSettings(
-                env_options=MappingProxyType(dict(self.env_options)),
-                max_turns=None if replayed else self.max_turns,  # a replay task carries its own horizon
-                max_context_tokens=self.max_context_tokens,
-            ),
-            id_prefix=f"{tag}-",
-        )
+        settings = replace(self.settings, max_turns=None) if replayed else self.settings  # a replay's own horizon
+        episodes = collect(tasks, self.sampler, self.chat, params, shape, settings, id_prefix=f"{tag}-")
         self.account(episodes)
         return episodes
 
@@ -145,7 +133,7 @@ def ground_truth(
     for the replayed starts S_k (k ≥ 1) and one for the fresh S_0."""
     fresh = rollouts(list(tasks), [m], "gt0")
     starts: list[tuple[int, int]] = [(i, k) for i, ep in enumerate(episodes) for k in range(1, ep.num_turns)]
-    replays = [replay_task(tasks[i], episodes[i], k, rollouts.max_turns) for i, k in starts]
+    replays = [replay_task(tasks[i], episodes[i], k, rollouts.settings.max_turns) for i, k in starts]
     continued = rollouts(replays, [m], "gt", replayed=True)
     values: dict[tuple[int, int], np.ndarray] = {}
     for i in range(len(episodes)):
@@ -284,7 +272,7 @@ def estimator_runs(
             batches[None] = _flat_batch(audited, fresh, leaves)
         for g1, g2 in shapes:
             two_turn = [i for i, e in enumerate(audited) if e.num_turns > 1]
-            replays = [replay_task(tasks[i], audited[i], 1, rollouts.max_turns) for i in two_turn]
+            replays = [replay_task(tasks[i], audited[i], 1, rollouts.settings.max_turns) for i in two_turn]
             conts = rollouts(replays, [g2 - 1], f"r{r}-c{g1}x{g2}", replayed=True) if g2 > 1 else []
             cont = {i: conts[s * (g2 - 1) : (s + 1) * (g2 - 1)] for s, i in enumerate(two_turn)}
             fresh = rollouts(list(tasks), [g1 - 1, g2], f"r{r}-t{g1}x{g2}") if g1 > 1 else []

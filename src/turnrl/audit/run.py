@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
+from pydantic import Field, ValidationError, model_validator
 from rich.table import Table
 
 from turnrl.audit.core import (
@@ -21,56 +23,94 @@ from turnrl.audit.core import (
     sample_episodes,
 )
 from turnrl.audit.metrics import audit_metrics
-from turnrl.chat import ChatTemplate
+from turnrl.audit.records import recorded_episodes
+from turnrl.bounded import (
+    MAX_AUDIT_EPISODES,
+    MAX_AUDIT_REPEATS,
+    MAX_AUDIT_SHAPES,
+    MAX_AUDIT_TASKS,
+    MAX_EPISODES_PER_STEP,
+    MAX_GROUP,
+    short_repr,
+)
 from turnrl.config import RunConfig
-from turnrl.envs.splits import TaskSource
-from turnrl.eval import policy_sampler
-from turnrl.types import SamplingParams
+from turnrl.sections import Section, error_lines, strict_validate
+from turnrl.train.settings import RunSettings
+from turnrl.train.standalone import policy_sampler
+
+_SHAPE = re.compile(r"([0-9]{1,6})x([0-9]{1,6})")
 
 
-@dataclass
-class AuditSettings:
-    episodes: int = 8
-    continuations: int = 8
-    leaves: int = 8
-    repeats: int = 4
-    gamma: float = 1.0
-    split: str = "train"
-    shapes: list[tuple[int, int]] | None = None
-    num_tasks: int | None = None
+class AuditSettings(Section):
+    """The options of ``turnrl credit-audit``, typed with bounds like the config's (the CLI and
+    :func:`run_audit` share this model). One collector call holds N × M (ground truth) or
+    N × L (estimators) episodes per turn, so those products are held to the config's
+    :data:`~turnrl.config.MAX_EPISODES_PER_STEP`; each count alone to the ``MAX_AUDIT_*`` bounds
+    (M and L to the config's group bound :data:`~turnrl.config.MAX_GROUP`)."""
 
-    def check(self) -> None:
-        for name in ("episodes", "continuations", "repeats"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name} must be at least 1 (got {getattr(self, name)})")
-        if self.continuations < 2:
-            raise ValueError("--continuations must be at least 2 (the standard error needs two rollouts)")
-        if self.leaves < 2:
-            raise ValueError(f"--leaves must be at least 2 (got {self.leaves})")
-        if not 0 <= self.gamma <= 1:
-            raise ValueError(f"--gamma must lie in [0, 1] (got {self.gamma})")
-        if self.split not in ("train", "eval"):
-            raise ValueError(f"--split must be train or eval (got {self.split!r})")
+    episodes: int = Field(8, ge=1, le=MAX_AUDIT_EPISODES)
+    continuations: int = Field(8, ge=2, le=MAX_GROUP)
+    """Monte-Carlo rollouts M per value estimate (at least 2: the standard error needs two)."""
+    leaves: int = Field(8, ge=2, le=MAX_GROUP)
+    repeats: int = Field(4, ge=1, le=MAX_AUDIT_REPEATS)
+    gamma: float = Field(1.0, ge=0, le=1)
+    split: Literal["train", "eval"] = "train"
+    shapes: list[tuple[Annotated[int, Field(ge=2, le=MAX_GROUP)], Annotated[int, Field(ge=2, le=MAX_GROUP)]]] | None = (
+        Field(None, min_length=1, max_length=MAX_AUDIT_SHAPES)
+    )
+    num_tasks: int | None = Field(None, ge=1, le=MAX_AUDIT_TASKS)
+
+    @model_validator(mode="after")
+    def _per_call(self) -> AuditSettings:
+        for what, m in (("--continuations", self.continuations), ("--leaves", self.leaves)):
+            if self.episodes * m > MAX_EPISODES_PER_STEP:
+                raise ValueError(
+                    f"--episodes {self.episodes} x {what} {m} = {self.episodes * m:,} episodes in one collector"
+                    f" call; allowed: at most {MAX_EPISODES_PER_STEP:,} (lower one of them)"
+                )
+        return self
+
+    @classmethod
+    def from_options(cls, **options: Any) -> AuditSettings:
+        """The settings from command-line options, or one ``ValueError`` naming each bad option."""
+        try:
+            return strict_validate(cls, options)
+        except ValidationError as exc:
+            lines = [_as_option(line, cls.model_fields) for line in error_lines(exc)]
+            raise ValueError("; ".join(lines)) from None
+
+
+def _as_option(line: str, fields) -> str:
+    """``num_tasks: ...`` → ``--num-tasks: ...`` (an error line of a field, named as the option)."""
+    key, sep, what = line.partition(": ")
+    head = key.split(".")[0]
+    return f"--{head.replace('_', '-')}{key[len(head) :]}: {what}" if sep and head in fields else line
 
 
 def parse_shapes(text: str | None) -> list[tuple[int, int]] | None:
     """``"2x12,4x6"`` → [(2, 12), (4, 6)]; None/empty → None (the default shapes)."""
     if not text:
         return None
+    if len(text) > 20 * MAX_AUDIT_SHAPES:
+        raise ValueError(f"--shapes: {len(text):,} characters; at most {MAX_AUDIT_SHAPES} shapes G1xG2, e.g. 2x12,4x6")
     out = []
     for part in text.split(","):
-        a, sep, b = part.strip().partition("x")
-        if not sep or not a.isdigit() or not b.isdigit() or int(a) < 2 or int(b) < 2:
-            raise ValueError(f"--shapes {text!r}: each shape is G1xG2 with G1, G2 >= 2, e.g. 2x12,4x6")
-        out.append((int(a), int(b)))
+        m = _SHAPE.fullmatch(part.strip())
+        if m is None or int(m[1]) < 2 or int(m[2]) < 2:
+            raise ValueError(f"--shapes {short_repr(text)}: each shape is G1xG2 with G1, G2 >= 2, e.g. 2x12,4x6")
+        out.append((int(m[1]), int(m[2])))
+    if len(set(out)) != len(out):
+        raise ValueError(f"--shapes {short_repr(text)}: a shape is given twice; give each once")
     return out
 
 
-def run_audit(rollouts: Rollouts, tasks, settings: AuditSettings, arms: list[EstimatorArm]) -> dict[str, Any]:
-    """Both stages on ``tasks`` with ``rollouts``; the report as a JSON-able dict."""
-    settings.check()
+def run_audit(
+    rollouts: Rollouts, tasks, settings: AuditSettings, arms: list[EstimatorArm], recorded=None
+) -> dict[str, Any]:
+    """Both stages on ``tasks`` with ``rollouts``; the report as a JSON-able dict. ``recorded``: (tasks,
+    episodes) to audit instead of sampling them (:func:`turnrl.audit.records.recorded_episodes`)."""
     t0 = time.perf_counter()
-    chosen, audited = sample_episodes(tasks, settings.episodes, rollouts)
+    chosen, audited = recorded or sample_episodes(tasks, settings.episodes, rollouts)
     truth = ground_truth(chosen, audited, rollouts, settings.continuations, settings.gamma)
     gt_cost, t_gt = rollouts.cost(), time.perf_counter() - t0
     ahat = estimator_runs(chosen, audited, rollouts, arms, settings.leaves, settings.repeats)
@@ -78,7 +118,7 @@ def run_audit(rollouts: Rollouts, tasks, settings: AuditSettings, arms: list[Est
     estimators = {a.label: audit_metrics(ahat[a.label], truth.a_star, truth.se, truth.turn) for a in arms}
     abs_a = np.abs(truth.a_star)
     return {
-        "settings": {**asdict(settings), "shapes": [list(a.shape) for a in arms if a.shape is not None]},
+        "settings": {**settings.model_dump(), "shapes": [list(a.shape) for a in arms if a.shape is not None]},
         "arms": [asdict(a) for a in arms],
         "ground_truth": {
             "turns": truth.rows(),
@@ -187,22 +227,24 @@ def credit_audit(
     *,
     adapter=None,
     scripted: str | None = None,
+    records: Path | None = None,
 ) -> dict[str, Any]:
-    """The ``turnrl credit-audit`` command: the policy of ``cfg`` (or ``adapter`` / ``scripted``)."""
-    settings.check()
+    """The ``turnrl credit-audit`` command: the policy of ``cfg`` (or ``adapter`` / ``scripted``), its
+    episodes collected, rendered and sampled as training collects them (:meth:`RunSettings.from_config`);
+    with ``records``, the audited episodes are that file's first ``settings.episodes``."""
     arms = default_arms(settings.leaves, settings.shapes)
-    tasks = TaskSource.from_config(cfg).tasks(settings.split)
+    run = RunSettings.from_config(cfg)
+    tasks = run.tasks.tasks(settings.split)
     if settings.num_tasks:
         tasks = tasks[: settings.num_tasks]
-    sampler, tokenizer, label = policy_sampler(cfg, adapter=adapter, scripted=scripted)
-    chat = ChatTemplate(tokenizer, cfg.model.chat_template_kwargs)
-    params = SamplingParams(
-        temperature=cfg.sampler.temperature, top_p=cfg.sampler.top_p, max_tokens=cfg.sampler.max_tokens, seed=cfg.seed
-    )
-    rollouts = Rollouts(sampler, chat, params, cfg.env.options, cfg.rollout.max_turns, cfg.rollout.max_context_tokens)
-    report = run_audit(rollouts, tasks, settings, arms)
+    recorded = None if records is None else recorded_episodes(records, tasks, settings.episodes, settings.split)
+    sampler, tokenizer, label = policy_sampler(run, adapter=adapter, scripted=scripted)
+    chat = run.chat.template(tokenizer)
+    rollouts = Rollouts(sampler, chat, run.sampler.sampling(run.seed), run.eval.rollout)
+    report = run_audit(rollouts, tasks, settings, arms, recorded)
+    report["records"] = None if records is None else str(records)
     report["policy"] = label
-    report["env"] = cfg.env.name
+    report["env"] = run.tasks.env_name
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "credit_audit.json").write_text(json.dumps(_jsonable(report), indent=1) + "\n")
     audit_plot(report, out_dir / "credit_audit.png")

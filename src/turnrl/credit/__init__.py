@@ -11,7 +11,7 @@ underneath is pure numpy and knows nothing of models or training
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -51,7 +51,7 @@ from turnrl.credit.stepwise import (
 )
 from turnrl.types import Episode
 
-ESTIMATORS: dict[str, EstimatorSpec] = {
+ESTIMATORS: dict[str, EstimatorSpec[Any]] = {
     "group_mean": GROUP_MEAN,
     "batch_mean": BATCH_MEAN,
     "loo_similarity": LOO_SIMILARITY,
@@ -61,12 +61,12 @@ ESTIMATORS: dict[str, EstimatorSpec] = {
 }
 
 
-def register_estimator(name: str, spec: EstimatorSpec) -> None:
+def register_estimator(name: str, spec: EstimatorSpec[Any]) -> None:
     """Add an estimator under ``name`` (then ``credit.estimator: name`` works in configs)."""
     ESTIMATORS[name] = spec
 
 
-def get_estimator(name: str) -> EstimatorSpec:
+def get_estimator(name: str) -> EstimatorSpec[Any]:
     if name not in ESTIMATORS:
         raise ValueError(f"unknown credit.estimator {name!r}; choose one of {', '.join(sorted(ESTIMATORS))}")
     return ESTIMATORS[name]
@@ -76,8 +76,8 @@ class CreditSection(Protocol):
     """The keys of the ``credit`` config section that :class:`CreditSettings` reads (this package
     may not import the config: the section is passed in, and this Protocol says what it must have)."""
 
-    estimator: str
-
+    @property
+    def estimator(self) -> str: ...
     @property
     def params(self) -> BaseModel: ...
 
@@ -90,7 +90,7 @@ class CreditSettings:
     params: BaseModel
 
     @property
-    def spec(self) -> EstimatorSpec:
+    def spec(self) -> EstimatorSpec[Any]:
         return get_estimator(self.estimator)
 
     @classmethod

@@ -151,7 +151,9 @@ def gigpo_advantages(episodes: list[Episode], cfg: GigpoParams) -> CreditResult:
             cfg.scale,
             cfg.std_eps,
         )
-        episode_level = {e.episode_id: [float(a)] * e.num_turns for e, a in zip(episodes, adv, strict=True)}
+        episode_level: dict[str, list[float | None]] = {
+            e.episode_id: [float(a)] * e.num_turns for e, a in zip(episodes, adv, strict=True)
+        }
         metrics = {}
     elif tree:
         base = branched_credit(episodes, cfg)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Generic, Literal, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -35,15 +35,20 @@ class EstimatorParams(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-@dataclass(frozen=True)
-class EstimatorSpec:
-    """A credit estimator as a registry entry: its function, its parameters, what it needs.
+P = TypeVar("P", bound=BaseModel)
+"""An estimator's own parameter model."""
 
-    ``fn(episodes, params)`` returns one advantage per turn of every episode.
+
+@dataclass(frozen=True)
+class EstimatorSpec(Generic[P]):
+    """A credit estimator as a registry entry, generic in its parameter model ``P``: its function, its
+    parameters, what it needs.
+
+    ``fn(episodes, params)`` returns one advantage per turn of every episode (``params`` an instance of ``P``).
     """
 
-    fn: Callable[[list[Episode], Any], CreditResult]
-    params: type[BaseModel] = EstimatorParams
+    fn: Callable[[list[Episode], P], CreditResult]
+    params: type[P] = EstimatorParams  # type: ignore[assignment]  # an estimator without parameters of its own
     per_turn_rows: bool = False
     """Train each turn as its own row (credit differs between turns of one episode)."""
     needs_tree: bool = False

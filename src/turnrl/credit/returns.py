@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 
-def discounted_return(rewards: Sequence[float], gamma: float, bootstrap: float = 0.0) -> np.ndarray:
+def discounted_return(rewards: Sequence[float] | np.ndarray, gamma: float, bootstrap: float = 0.0) -> np.ndarray:
     """Return-to-go of every turn; ``G[0]`` is the episode's discounted return.
 
         G_k = r_k + γ G_{k+1},   G_K = bootstrap (0 by default)

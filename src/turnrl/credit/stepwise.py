@@ -59,7 +59,7 @@ def _zscore(x: np.ndarray) -> np.ndarray:
 
 
 def stepwise_advantages(
-    returns: Sequence[Sequence[float]], baseline: Literal["pooled", "per_turn_index"] = "pooled"
+    returns: Sequence[Sequence[float] | np.ndarray], baseline: Literal["pooled", "per_turn_index"] = "pooled"
 ) -> list[np.ndarray]:
     """Normalise the per-turn returns of one task's episodes (one array per episode).
 

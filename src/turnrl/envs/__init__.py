@@ -4,6 +4,11 @@
 environment in your own package, no registration call needed). Options are validated
 by the environment's :class:`~turnrl.envs.base.EnvOptions` model here, before tasks are
 listed or an environment is built.
+
+Import paths belong to the config alone: the tasks of a task file may name only the config's
+environment (that name, or a registered name of the same class), compared by name and never
+imported (:func:`turnrl.tasks.check_task_file`); every task a run holds then names ``env.name``,
+so :func:`make_env` imports nothing the config did not choose.
 """
 
 from __future__ import annotations
@@ -15,7 +20,7 @@ from typing import Any
 
 from turnrl.bounded import short_repr
 from turnrl.envs.base import Env, EnvOptions, check_split
-from turnrl.tasks import load_task_file
+from turnrl.tasks import check_task_file, load_task_file
 from turnrl.types import Message, StepResult, StopReason, Task
 
 ENV_REGISTRY: dict[str, str | type[Env]] = {
@@ -72,9 +77,27 @@ def get_env_class(name: str) -> type[Env]:
     )
 
 
+def _names_env(name: str, env_name: str, cls: type[Env]) -> bool:
+    """Whether a task's ``env`` names the run's environment: ``env_name`` itself, or a registered
+    name whose entry is that class (or its import path). Compared as names: nothing is imported."""
+    if name == env_name:
+        return True
+    target = ENV_REGISTRY.get(name)
+    if target is None:
+        return False
+    own = ENV_REGISTRY.get(env_name, env_name)
+    return target is cls or target == own or target == f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _file_tasks(cls: type[Env], env_name: str, path: str | Path, split: str) -> list[Task]:
+    tasks = cls.load_tasks(path, split)
+    return check_task_file(tasks, env_name=env_name, split=split, names_env=lambda n: _names_env(n, env_name, cls))
+
+
 def tasks_from_file(env_name: str, path: str | Path, split: str) -> list[Task]:
-    """Tasks of an environment from a JSONL file, with the environment's own validation."""
-    return get_env_class(env_name).load_tasks(path, split)
+    """Tasks of an environment from a JSONL file, with the environment's own validation and the
+    task-file rules (:func:`turnrl.tasks.check_task_file`)."""
+    return _file_tasks(get_env_class(env_name), env_name, path, split)
 
 
 def load_tasks(
@@ -93,7 +116,7 @@ def load_tasks(
     cls = get_env_class(env_name)
     cls.parse_options(env_options)
     if path:
-        tasks = cls.load_tasks(path, split)
+        tasks = _file_tasks(cls, env_name, path, split)
     else:
         tasks = cls.default_tasks(named_split, **env_options)
     return tasks[:limit] if limit else tasks

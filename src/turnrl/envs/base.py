@@ -43,7 +43,20 @@ from turnrl.sections import Section, error_lines, strict_validate
 from turnrl.tasks import load_task_file
 from turnrl.types import Message, SplitName, StepResult, StopReason, Task
 
-__all__ = ["Env", "EnvOptions", "Message", "StepResult", "StopReason", "Task", "check_split"]
+__all__ = ["ECHO_CHARS", "Env", "EnvOptions", "Message", "StepResult", "StopReason", "Task", "check_split", "echo"]
+
+ECHO_CHARS = 200
+"""The most characters of the model's own text an observation repeats back (:func:`echo`)."""
+
+
+def echo(text: object, limit: int = ECHO_CHARS) -> str:
+    """Model-written text as an observation (or an error recorded with one) may quote it: the first
+    ``limit`` characters and how many more were cut. Every environment quoting a reply goes through
+    this, so a 500 kB action name costs the next prompt ``limit`` characters, not 500 kB."""
+    text = text if isinstance(text, str) else str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... [{len(text) - limit:,} more characters]"
 
 
 class EnvOptions(Section):
@@ -130,6 +143,14 @@ class Env(ABC):
         (numbers, strings, booleans, None, lists/tuples, dicts with string keys); the
         collector records it on ``Turn.state_key`` as canonical JSON.
         """
+        return None
+
+    def action_choices(self) -> list[str] | None:
+        """The replies the next turn can give, when that set is finite and small (answers from a
+        fixed menu); None = open-ended (the default). A reply outside the set is one this
+        environment treats as malformed, with a deterministic outcome, so the exact credit audit
+        (``turnrl credit-audit --exact``) can enumerate a policy's turns: each choice scored by the
+        policy, every other reply lumped into one malformed branch."""
         return None
 
     def tools(self) -> list[dict[str, Any]] | None:

@@ -12,24 +12,33 @@ from turnrl.types import Task
 
 
 class _DataSection(Protocol):
-    train_file: str | None
-    eval_file: str | None
-    train_split: str
-    eval_split: str
-    num_eval_tasks: int | None
+    @property
+    def train_file(self) -> str | None: ...
+    @property
+    def eval_file(self) -> str | None: ...
+    @property
+    def train_split(self) -> str: ...
+    @property
+    def eval_split(self) -> str: ...
+    @property
+    def num_eval_tasks(self) -> int | None: ...
 
 
 class _EnvSection(Protocol):
-    name: str
-    options: dict[str, Any]
+    @property
+    def name(self) -> str: ...
+    @property
+    def options(self) -> dict[str, Any]: ...
 
 
 class TaskSourceConfig(Protocol):
     """What :meth:`TaskSource.from_config` reads of a run config (this package may not import the
     config; this Protocol says what it must have)."""
 
-    data: _DataSection
-    env: _EnvSection
+    @property
+    def data(self) -> _DataSection: ...
+    @property
+    def env(self) -> _EnvSection: ...
 
 
 @dataclass(frozen=True)

@@ -32,10 +32,10 @@ import re
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from turnrl.envs.base import Env, Message, StepResult, StopReason, Task
+from turnrl.envs.base import Env, Message, StepResult, StopReason, Task, echo
 from turnrl.types import tool_call_message
 
-TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+OPEN_TAG, CLOSE_TAG = "<tool_call>", "</tool_call>"
 _JSON_START_RE = re.compile(r'\{\s*"')
 _MAX_JSON_ATTEMPTS = 256
 RESERVED = frozenset({"reset", "get_reward", "is_done", "episode_end", "system_prompt"})
@@ -61,6 +61,29 @@ def _one_call(obj: Any, where: str) -> tuple[str, dict[str, Any]]:
     return obj["name"], args
 
 
+def tool_call_blocks(text: str) -> list[str]:
+    """The contents of the ``<tool_call>...</tool_call>`` blocks of ``text``, left to right.
+
+    Linear time by construction: one left-to-right scan with ``str.find``, each search starting
+    where the previous one ended (no regular expression, so nothing backtracks: a lazy
+    ``<tool_call>(.*?)</tool_call>`` rescans the rest of the text from every unclosed opening,
+    quadratic in ``"<tool_call>" * n``). Every character is looked at by at most three searches:
+    the one for the next opening, the one for its closing, and the check that no opening lies
+    between them. An opening without its closing (or a second opening before it) raises
+    :class:`ToolCallError`.
+    """
+    blocks: list[str] = []
+    pos = 0
+    while (start := text.find(OPEN_TAG, pos)) != -1:
+        body = start + len(OPEN_TAG)
+        end = text.find(CLOSE_TAG, body)
+        if end == -1 or text.find(OPEN_TAG, body, end) != -1:
+            raise ToolCallError("a <tool_call> block is not closed with </tool_call>")
+        blocks.append(text[body:end])
+        pos = end + len(CLOSE_TAG)
+    return blocks
+
+
 def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
     """The tool calls in a reply, as (name, arguments); [] when the reply calls no tool.
 
@@ -71,9 +94,7 @@ def parse_tool_calls(text: str) -> list[tuple[str, dict[str, Any]]]:
     """
     if not isinstance(text, str):
         raise ToolCallError("the reply is not text")
-    blocks = TOOL_CALL_RE.findall(text)
-    if text.count("<tool_call>") != len(blocks):
-        raise ToolCallError("a <tool_call> block is not closed with </tool_call>")
+    blocks = tool_call_blocks(text)
     if blocks:
         calls = []
         for k, block in enumerate(blocks):
@@ -108,6 +129,8 @@ class ToolEnv(Env):
     max_turns: int = 8
     describe_tools: ClassVar[bool] = True
     """Also list the tools and the call format in the system prompt."""
+    max_reply_chars: ClassVar[int] = 8000
+    """The longest tool reply put into the conversation (longer ones are cut, saying how much)."""
 
     def __init__(self, task: Task, **options: Any) -> None:
         super().__init__(task, **options)
@@ -133,6 +156,11 @@ class ToolEnv(Env):
         """(reward, stop reason, truncated) when the episode ends; default: success iff reward > 0."""
         reward = float(self.get_reward())
         return reward, StopReason.SUCCESS if reward > 0 else StopReason.FAILURE, False
+
+    def bounded_reply(self, out: Any) -> str:
+        """A tool's return value as its reply message: at most :attr:`max_reply_chars` characters (a
+        tool that repeats its arguments must not put a 500 kB argument into the next prompt)."""
+        return echo(out, self.max_reply_chars)
 
     # ---- the tools
     def tool_target(self) -> Any:
@@ -200,11 +228,11 @@ class ToolEnv(Env):
             bound = []
             for name, args in calls:
                 if name not in fns:
-                    raise ToolCallError(f"unknown tool {name!r}; tools: {', '.join(fns)}")
+                    raise ToolCallError(f"unknown tool {echo(name)!r}; tools: {', '.join(fns)}")
                 try:
                     inspect.signature(fns[name]).bind(**args)
                 except TypeError as exc:
-                    raise ToolCallError(f"tool {name!r}: {exc}") from None
+                    raise ToolCallError(f"tool {name!r}: {echo(exc)}") from None
                 bound.append((name, args))
         except ToolCallError as exc:
             self.over = True
@@ -222,8 +250,8 @@ class ToolEnv(Env):
             try:
                 out = fns[name](**args)
             except Exception as exc:  # noqa: BLE001 - the tool's own error is its reply (TRL's convention)
-                out = f"Error: {exc}"
-            replies.append({"role": "tool", "name": name, "content": str(out)})
+                out = f"Error: {echo(exc)}"
+            replies.append({"role": "tool", "name": name, "content": self.bounded_reply(out)})
             if self.is_done():
                 break
         metrics = {"malformed": 0.0, "tool_calls": float(len(bound)), "turns": float(self.turns)}

@@ -3,6 +3,10 @@
 A run's config is the base config, then the spec's ``overrides``, then
 ``budget`` and ``evaluation``, then ``--set`` values, then the arm's
 overrides, then ``seed: k``; it trains into ``<output root>/<name>/<arm>/seed<k>``.
+A batch-ladder rung (``ladder:``, :class:`~turnrl.experiments.spec.LadderRung`)
+is its base arm's config with ``rollout.<scale>`` multiplied by its factor, so
+its leaves per step (``rollout.tasks_per_step`` × episodes per task: the
+``group_size``, or the product of ``rollout.branching``) are k× the base arm's.
 The base config is read with :func:`turnrl.config.read_config_data`, dotted
 keys are set with :func:`turnrl.config.set_dotted`, ``--set`` strings go
 through :func:`turnrl.config.apply_overrides` and every result through
@@ -22,6 +26,7 @@ from turnrl.configfile import apply_overrides, read_config_data, set_dotted
 from turnrl.experiments.spec import (
     ExperimentError,
     ExperimentSpec,
+    LadderRung,
     MarginCriterion,
     is_under,
     leaves,
@@ -88,11 +93,21 @@ def plan_runs(
         raise ExperimentError(str(exc)) from None
 
     runs = []
+    arms = spec.all_arms()
     for seed in spec.seeds:
-        for i, arm in enumerate(spec.arms):
+        planned: dict[str, RunConfig] = {}
+        for i, arm in enumerate(arms):
             data = copy.deepcopy(common)
             for key, value in arm.overrides.items():
                 _set(data, key, value, f"arms[{i}] ({arm.name!r}).overrides")
+            if isinstance(arm, LadderRung):  # the base arm is planned first: all_arms lists rungs last
+                base = planned[arm.base].rollout
+                if arm.scale == "group_size" and base.branching:
+                    raise ExperimentError(
+                        f"ladder: arm {arm.base!r} samples trees (rollout.branching {base.branching}), which"
+                        " group_size does not size; use scale: tasks_per_step"
+                    )
+                _set(data, f"rollout.{arm.scale}", getattr(base, arm.scale) * arm.factor, f"ladder ({arm.name!r})")
             data["seed"] = seed
             data["run_name"] = f"seed{seed}"
             data.setdefault("paths", {})
@@ -104,9 +119,23 @@ def plan_runs(
                 cfg = parse_config(data, source)
             except ConfigError as exc:
                 raise ExperimentError(str(exc)) from None
+            planned[arm.name] = cfg
             runs.append(PlannedRun(arm.name, seed, cfg))
     _check_eval_steps(spec, runs)
+    _check_extra_games(spec, runs)
     return runs
+
+
+def _check_extra_games(spec: ExperimentSpec, runs: list[PlannedRun]) -> None:
+    if not spec.evaluation.extra_games:
+        return
+    e = runs[0].config.eval  # eval.* is shared by every arm
+    if e.samples_per_task == 0 and e.temperature == 0:
+        raise ExperimentError(
+            "evaluation.extra_games: the evaluation is greedy only (eval.samples_per_task 0), and a greedy"
+            " game replayed is the same game; set eval.samples_per_task > 0 in the overrides (the extra"
+            " games are sampled like those) or evaluation.greedy: false"
+        )
 
 
 def evaluation_steps(cfg: RunConfig) -> tuple[list[int], int]:

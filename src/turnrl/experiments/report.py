@@ -19,7 +19,7 @@ from rich.table import Table
 from turnrl.config import dump_config
 from turnrl.experiments.plan import PlannedRun, config_diff
 from turnrl.experiments.results import RUN_RECORD, RunResult
-from turnrl.experiments.spec import ExperimentSpec
+from turnrl.experiments.spec import ExperimentSpec, LadderRung
 from turnrl.experiments.verdict import RATE_METRICS, CriterionResult, mean_curve
 from turnrl.rundir import atomic_write_bytes
 
@@ -78,23 +78,76 @@ def table_header(metric: str) -> list[str]:
     ]
 
 
-def results_table(arms: Mapping[str, dict[str, Any]], metric: str, title: str) -> Table:
+def _count(x: Any) -> str:
+    return "–" if x is None else f"{x:,.0f}"
+
+
+COMPUTE_HEADER = ["arm", "leaves / step", "tokens generated", "tokens trained", "train s", "wall s (all seeds)"]
+"""Equal leaves and equal compute side by side; tokens and train seconds are means per run."""
+
+
+def compute_rows(arms: Mapping[str, dict[str, Any]]) -> list[list[str]]:
+    return [
+        [
+            name,
+            _count(a.get("leaves_per_step")),
+            _count(a["tokens_generated"]),
+            _count(a["tokens_trained"]),
+            "–" if a["train_s"] is None else f"{a['train_s']:.0f}",
+            "–" if a["wall_s"] is None else f"{a['wall_s']:.0f}",
+        ]
+        for name, a in arms.items()
+    ]
+
+
+def advantage_table(arms: Mapping[str, dict[str, Any]], max_turns: int = 8) -> tuple[list[str], list[list[str]]]:
+    """Header and rows of mean |A_t| per turn (trained turns per run in brackets), turns 1..``max_turns``."""
+    turns = sorted({t for a in arms.values() for t in (a["adv_scale"] or {})})[:max_turns]
+    rows = []
+    for name, a in arms.items():
+        scale, n = a["adv_scale"] or {}, a["trained_turns"] or {}
+        rows.append([name] + [f"{scale[t]:.3f} ({n[t]:.0f})" if t in scale else "–" for t in turns])
+    return ["arm"] + [f"turn {t}" for t in turns], rows
+
+
+def rich_table(header: Sequence[str], rows: Sequence[Sequence[str]], title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    for i, col in enumerate(table_header(metric)):
+    for i, col in enumerate(header):
         table.add_column(col, justify="left" if i == 0 else "right")
-    for row in _table_rows(arms, metric):
+    for row in rows:
         table.add_row(*row)
     return table
 
 
-def markdown_table(arms: Mapping[str, dict[str, Any]], metric: str) -> str:
-    header = table_header(metric)
+def markdown_rows(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     lines = [
         "| " + " | ".join(header) + " |",
         "|" + "|".join(["---"] + ["--:"] * (len(header) - 1)) + "|",
     ]
-    lines += ["| " + " | ".join(row) + " |" for row in _table_rows(arms, metric)]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def results_table(arms: Mapping[str, dict[str, Any]], metric: str, title: str) -> Table:
+    return rich_table(table_header(metric), _table_rows(arms, metric), title)
+
+
+def markdown_table(arms: Mapping[str, dict[str, Any]], metric: str) -> str:
+    return markdown_rows(table_header(metric), _table_rows(arms, metric))
+
+
+def compute_tables(arms: Mapping[str, dict[str, Any]]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, header, rows) of the compute table and, when rollouts were saved, the advantage-scale table."""
+    out = [("compute per run (equal leaves vs equal compute)", COMPUTE_HEADER, compute_rows(arms))]
+    header, rows = advantage_table(arms)
+    if len(header) > 1:
+        out.append(("advantage scale: mean |A| per turn (trained turns per run)", header, rows))
+    return out
+
+
+def primary_line(primary: CriterionResult) -> str:
+    """The primary outcome, stated in the spec before the runs: its comparison, SE, MDE and verdict."""
+    return f"primary outcome (stated before the runs): {primary.text}"
 
 
 def plot_experiment(results: Sequence[RunResult], metric: str, path: Path, title: str = "") -> Path:
@@ -186,8 +239,9 @@ def result_line(
     arms: Mapping[str, dict[str, Any]],
     verdict: str | None,
     criterion: CriterionResult | None,
+    primary: CriterionResult | None = None,
 ) -> str:
-    """``RESULT {json}``: per-arm metrics under ``arms``, ``verdict`` (null when no criterion)."""
+    """``RESULT {json}``: per-arm metrics under ``arms``, ``primary``, ``verdict`` (null when no criterion)."""
     keep = (
         "seeds",
         "before",
@@ -204,11 +258,18 @@ def result_line(
         "train_steps",
         "frac_reward_zero_std",
         "wall_s",
+        "leaves_per_step",
+        "extra_games",
+        "tokens_generated",
+        "tokens_trained",
+        "train_s",
+        "adv_scale",
     )
     payload = {
         "experiment": name,
         "metric": metric,
-        "arms": {arm: {k: a[k] for k in keep} for arm, a in arms.items()},
+        "primary": primary.to_dict() if primary else None,
+        "arms": {arm: {k: a.get(k) for k in keep} for arm, a in arms.items()},
         "verdict": verdict,
         "criterion": criterion.to_dict() if criterion else None,
     }
@@ -226,13 +287,16 @@ VERDICT_RULE = (
     "SE of one evaluation on n examples: for a rate (success_rate), Agresti–Caffo binomial,"
     " p~ = (pn+1)/(n+2), var = p~(1−p~)/(n+2); for any other metric (mean_reward), s²/n with s² the"
     " sample variance of the n per-example values in the run's eval episodes (unknown without them)."
-    " Variances are summed over the two evaluations compared, plus the seed-to-seed variance of the per-seed"
-    " differences when there are ≥ 2 seeds (SE² = Σ var_s/m² + s_d²/m). Margin: validated when"
-    " diff − min_diff > 2·SE, failed when < −2·SE, else inconclusive; its minimum detectable difference at"
-    " 80 % power is (2 + z_0.8)·SE = 2.84·SE. Collapse: an arm collapsed when"
-    " (peak − final) − drop > 2·SE, stable when < −2·SE; validated when the baseline collapsed and the"
-    " treatment is stable, failed when the baseline is stable or the treatment collapsed. any_of:"
-    " validated if any part is, failed if all parts failed."
+    " With m ≥ 2 seeds (arms paired by seed) the estimate is the mean D of the per-seed differences d_s"
+    " and SE = s_d/√m (s_d: their sample sd, which already holds the evaluation noise), judged at the"
+    " t critical value c = t_{m−1, 0.975} (2.78 at m = 5). With one seed (or all d_s equal) only the"
+    " evaluations' variances are known: SE = √(Σ var_s)/m at c = 1.96 — weaker, it leaves out"
+    " run-to-run variation. Margin: validated when diff − min_diff > c·SE, failed when < −c·SE, else"
+    " inconclusive; its minimum detectable difference at 80 % power is λ·SE with λ from the noncentral"
+    " t (3.76 at m = 5; 2.80 at c = 1.96). Collapse: an arm collapsed when (peak − final) − drop > c·SE,"
+    " stable when < −c·SE; validated when the baseline collapsed and the treatment is stable, failed"
+    " when the baseline is stable or the treatment collapsed. any_of: validated if any part is, failed"
+    " if all parts failed."
 )
 
 
@@ -245,6 +309,7 @@ def summary_markdown(
     criterion: CriterionResult | None,
     plot: Path | None,
     wall_s: float,
+    primary: CriterionResult | None = None,
 ) -> str:
     lines = [
         f"# {spec.title}",
@@ -252,6 +317,8 @@ def summary_markdown(
         f"Experiment `{name}`" + (f" (spec `{spec.source}`)" if spec.source else "") + ".",
         "",
     ]
+    if primary is not None:
+        lines += [f"**Primary outcome** (stated before the runs): **{primary.verdict}**: {primary.text}", ""]
     lines += [f"**Hypothesis.** {spec.hypothesis}", ""]
     if criterion is None:
         lines += ["**Verdict:** none (the spec states no criterion).", ""]
@@ -263,20 +330,27 @@ def summary_markdown(
         markdown_table(arms, metric),
         "",
     ]
+    for title, header, rows in compute_tables(arms):
+        lines += [f"{title[0].upper()}{title[1:]}:", "", markdown_rows(header, rows), ""]
     if plot is not None:
         lines += [f"![{name}]({plot.name})", ""]
     lines += ["## Setup", "", f"- base config: `{spec.base_config}`"]
     if spec.overrides:
         lines.append("- common overrides: " + ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in spec.overrides.items()))
-    for arm in spec.arms:
+    for arm in spec.all_arms():
         ov = ", ".join(f"`{k}: {json.dumps(v)}`" for k, v in arm.overrides.items()) or "(base config)"
-        lines.append(f"- arm **{arm.name}**: {ov}")
+        lines.append(f"- arm **{arm.name}**: {ov}" + (f" — {arm.description}" if isinstance(arm, LadderRung) else ""))
     first = plan[0].config
     lines.append(
         f"- seeds {spec.seeds}; budget: train.steps {first.train.steps}, train.max_seconds {first.train.max_seconds};"
         f" evaluation every {first.eval.every} steps on {first.data.num_eval_tasks or 'all'} held-out examples,"
         f" temperature {first.eval.temperature}"
     )
+    if spec.evaluation.extra_games:
+        lines.append(
+            f"- extra held-out games per final policy: {spec.evaluation.extra_games} (sampled, fresh seeds),"
+            " pooled with the last evaluation (`turnrl.experiments.extra`)"
+        )
     lines.append(f"- wall time of the runs (sum): {wall_s:.0f} s")
     lines += ["", "## Runs", "", "| arm | seed | run directory | wall s |", "|---|--:|---|--:|"]
     for run in plan:

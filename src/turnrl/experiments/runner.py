@@ -21,16 +21,21 @@ from typing import Any, TextIO
 
 from rich.console import Console
 
-from turnrl.config import RunConfig, read_config_data, resume_conflicts
+from turnrl.config import RunConfig, read_config_data, resume_conflicts, upgrade_saved
+from turnrl.envs.splits import TaskSource
+from turnrl.experiments.extra import Evaluator, add_extra_games
 from turnrl.experiments.plan import PlannedRun, plan_runs
 from turnrl.experiments.report import (
     VERDICT_RULE,
+    compute_tables,
     criterion_lines,
     describe_plan,
     json_safe,
     plot_experiment,
+    primary_line,
     result_line,
     results_table,
+    rich_table,
     summary_markdown,
 )
 from turnrl.experiments.results import (
@@ -44,12 +49,14 @@ from turnrl.experiments.results import (
 from turnrl.experiments.spec import ExperimentError, ExperimentSpec, load_spec
 from turnrl.experiments.verdict import RATE_METRICS, CriterionResult, Verdict
 from turnrl.rundir import RunDir, atomic_write_text
+from turnrl.train.settings import RunSettings
+from turnrl.train.summary import Summary
 
 Runner = Callable[..., Any]
 """``runner(cfg: RunConfig, console=Console) -> Any``: trains one run into ``paths.output_dir/run_name``."""
 
 
-def train_run(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
+def train_run(cfg: RunConfig, console: Console | None = None) -> Summary:
     """The default runner: :func:`turnrl.train.loop.train`, resuming a run directory that has a checkpoint."""
     from turnrl.train.loop import run_dir_for, train
 
@@ -59,7 +66,21 @@ def train_run(cfg: RunConfig, console: Console | None = None) -> dict[str, Any]:
 
 def config_conflicts(run_dir: Path, cfg: RunConfig) -> list[str]:
     """Keys in which ``cfg`` differs from the run directory's saved config as ``train --resume`` sees it."""
-    return resume_conflicts(read_config_data(RunDir(run_dir).config), cfg)
+    return resume_conflicts(upgrade_saved(read_config_data(RunDir(run_dir).config)), cfg)
+
+
+def resolve_runs(plan: Sequence[PlannedRun]) -> list[RunSettings]:
+    """Every planned run resolved through the one resolution point (:meth:`RunSettings.from_config`, as
+    ``turnrl train`` resolves it), and each distinct task source read, before the first run trains: an
+    arm whose tasks cannot be read fails now, not after the arms before it have trained."""
+    settings = [RunSettings.from_config(run.config) for run in plan]
+    sources: list[TaskSource] = []
+    for s in settings:
+        if s.tasks not in sources:
+            sources.append(s.tasks)
+            s.tasks.tasks("train")
+            s.tasks.tasks("eval")
+    return settings
 
 
 @dataclass
@@ -72,6 +93,7 @@ class ExperimentResult:
     runs: list[RunResult]
     plot: Path | None
     result_line: str
+    primary: CriterionResult | None = None
 
 
 def run_experiment(
@@ -83,6 +105,7 @@ def run_experiment(
     console: Console | None = None,
     fresh: bool = False,
     out: TextIO | None = None,
+    evaluator: Evaluator | None = None,
 ) -> ExperimentResult:
     """Run every arm × seed with ``runner`` (default :func:`train_run`), then compare and judge.
 
@@ -98,6 +121,7 @@ def run_experiment(
     runner = runner or train_run
     name = spec.experiment_name()
     plan = plan_runs(spec, output_root, overrides)
+    resolve_runs(plan)
     exp_dir = Path(output_root) / name
     exp_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -128,6 +152,8 @@ def run_experiment(
         rd.root.mkdir(parents=True, exist_ok=True)
         atomic_write_text(record, json.dumps(info, indent=2))
         results.append(read_run(run.arm, run.seed, rd.root, spread))
+    if spec.evaluation.extra_games:
+        add_extra_games(plan, results, spec.evaluation.extra_games, evaluator, console)
     ran = sum(not r.reused for r in results)
     console.print(f"ran {ran} of {len(results)} runs in {time.perf_counter() - started:.0f} s")
     wall_s = sum(r.wall_s or 0.0 for r in results)
@@ -147,11 +173,18 @@ def report_experiment(
     """Table, plot, ``experiment.json``, ``summary.md`` and the ``RESULT`` line from finished runs."""
     name = spec.experiment_name()
     metric = spec.evaluation.metric
-    arms = {arm.name: arm_summary([r for r in results if r.arm == arm.name], metric) for arm in spec.arms}
+    arms = {arm.name: arm_summary([r for r in results if r.arm == arm.name], metric) for arm in spec.all_arms()}
+    for p in plan:
+        arms[p.arm]["leaves_per_step"] = p.config.rollout.tasks_per_step * p.config.episodes_per_task
+    primary = evaluate_on_runs(margin, results) if (margin := spec.primary_margin()) else None
     criterion = evaluate_on_runs(spec.criterion, results) if spec.criterion is not None else None
     verdict = criterion.verdict if criterion else None
 
+    if primary is not None:
+        console.print(f"[bold]{primary_line(primary)}[/bold]", highlight=False)
     console.print(results_table(arms, metric, f"{spec.title} · held-out {metric}"))
+    for title, header, rows in compute_tables(arms):
+        console.print(rich_table(header, rows, title))
     if criterion is not None:
         for line in criterion_lines(criterion):
             console.print(line.replace("**", ""), highlight=False)
@@ -167,6 +200,7 @@ def report_experiment(
         "spec": spec.model_dump(mode="json"),
         "spec_path": str(spec.source) if spec.source else None,
         "metric": metric,
+        "primary": primary.to_dict() if primary else None,
         "arms": arms,
         "verdict": verdict,
         "criterion": criterion.to_dict() if criterion else None,
@@ -181,6 +215,7 @@ def report_experiment(
                 "reused": r.reused,
                 "eval": r.eval_rows,
                 "eval_spread": r.eval_spread,
+                "extra_games": r.extra,
                 "train_reward": r.rewards(),
             }
             for r in results
@@ -189,12 +224,12 @@ def report_experiment(
     }
     text = json.dumps(json_safe(payload), indent=2, allow_nan=False)
     atomic_write_text(exp_dir / "experiment.json", text)
-    summary = summary_markdown(spec, name, plan, arms, metric, criterion, plot, wall_s)
+    summary = summary_markdown(spec, name, plan, arms, metric, criterion, plot, wall_s, primary)
     atomic_write_text(exp_dir / "summary.md", summary)
     console.print(f"experiment directory: {exp_dir}")
-    line = result_line(name, metric, arms, verdict, criterion)
+    line = result_line(name, metric, arms, verdict, criterion, primary)
     print(line, file=out, flush=True)
-    return ExperimentResult(name, exp_dir, arms, verdict, criterion, list(results), plot, line)
+    return ExperimentResult(name, exp_dir, arms, verdict, criterion, list(results), plot, line, primary)
 
 
 def main(

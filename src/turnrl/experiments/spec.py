@@ -88,6 +88,9 @@ class Evaluation(_Strict):
     """Evaluate the base model at step 0 (``eval.before``)."""
     metric: MetricName = "success_rate"
     """The metric of the table and the plot."""
+    extra_games: int = Field(0, ge=0)
+    """More held-out games for each finished run's final policy, sampled with fresh seeds and pooled with
+    its last evaluation (:mod:`turnrl.experiments.extra`); 0: none."""
 
 
 class MarginCriterion(_Strict):
@@ -109,6 +112,32 @@ class CollapseCriterion(_Strict):
     baseline: str
     metric: MetricName = "success_rate"
     drop: float = Field(0.10, gt=0)
+
+
+class Primary(_Strict):
+    """The primary outcome, stated before the runs: the one comparison the verdict is about."""
+
+    treatment: str
+    baseline: str
+    metric: MetricName = "success_rate"
+    at_step: int | Literal["final"] = "final"
+
+
+class Ladder(_Strict):
+    """The batch-ladder control: ``arm`` again at ``factors`` × its leaves per step (1 = the arm itself)."""
+
+    arm: str
+    factors: list[Annotated[int, Field(ge=1)]] = Field(min_length=1)
+    scale: Literal["group_size", "tasks_per_step"] = "group_size"
+    """What grows: ``rollout.group_size`` (the same tasks, k× leaves per task) or ``rollout.tasks_per_step``."""
+
+
+class LadderRung(Arm):
+    """An arm the ladder adds: ``base``'s overrides, ``rollout.<scale>`` × ``factor`` (set by the plan)."""
+
+    base: str
+    factor: int
+    scale: str
 
 
 def _criterion_tag(value: Any) -> str | None:
@@ -181,13 +210,17 @@ class ExperimentSpec(_Strict):
     seeds: list[int] = Field(min_length=1)
     evaluation: Evaluation = Evaluation()
     arms: list[Arm] = Field(min_length=1)
+    ladder: Ladder | None = None
     criterion: Criterion | None = None
+    primary: Primary | None = None
+    """Required with two or more arms (the validator says how to state it); None so the message is ours."""
 
     _source: Path | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check(self) -> ExperimentSpec:
-        names = [a.name for a in self.arms]
+        self._check_ladder()
+        names = [a.name for a in self.all_arms()]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"arms: duplicate arm name(s) {', '.join(map(repr, dupes))}; names must be unique")
@@ -221,11 +254,77 @@ class ExperimentSpec(_Strict):
                         )
                 if leaf.treatment == leaf.baseline:
                     raise ValueError(f"criterion: treatment and baseline are both {leaf.treatment!r}")
+        self._check_primary(names)
         return self
 
+    def _check_ladder(self) -> None:
+        if self.ladder is None:
+            return
+        arms = {a.name: a for a in self.arms}
+        if self.ladder.arm not in arms:
+            raise ValueError(f"ladder.arm: unknown arm {self.ladder.arm!r}; the arms are {', '.join(map(repr, arms))}")
+        if len(set(self.ladder.factors)) != len(self.ladder.factors):
+            raise ValueError(f"ladder.factors: duplicate factor in {self.ladder.factors}")
+        if self.ladder.scale == "group_size" and "rollout.branching" in arms[self.ladder.arm].overrides:
+            raise ValueError(
+                f"ladder: arm {self.ladder.arm!r} samples trees (rollout.branching), which group_size does not"
+                " size; use scale: tasks_per_step"
+            )
+
+    def _check_primary(self, names: list[str]) -> None:
+        p = self.primary
+        if p is None and len(names) < 2:
+            return  # one arm: no comparison to state
+        if p is None:
+            raise ValueError(
+                "primary: missing; state the primary outcome before running, e.g. primary: {treatment: <arm>,"
+                " baseline: <arm>, metric: success_rate, at_step: final} (the comparison the verdict is about,"
+                " printed first; docs/experiments.md)"
+            )
+        for role in ("treatment", "baseline"):
+            if getattr(p, role) not in names:
+                raise ValueError(
+                    f"primary.{role}: unknown arm {getattr(p, role)!r}; the arms are {', '.join(map(repr, names))}"
+                )
+        if p.treatment == p.baseline:
+            raise ValueError(f"primary: treatment and baseline are both {p.treatment!r}; name two arms")
+        if self.criterion is not None:
+            judged = {(leaf.treatment, leaf.baseline, leaf.metric) for leaf in leaves(self.criterion)}
+            if (p.treatment, p.baseline, p.metric) not in judged:
+                raise ValueError(
+                    f"primary: {p.treatment} vs {p.baseline} on {p.metric} is not a comparison the criterion"
+                    " judges; name one of its (treatment, baseline, metric) or add it to the criterion"
+                )
+
+    def primary_margin(self) -> MarginCriterion | None:
+        """The primary outcome as the margin it is judged by (min_diff 0); None for a one-arm spec."""
+        return None if self.primary is None else MarginCriterion(type="margin", **self.primary.model_dump())
+
+    def all_arms(self) -> list[Arm]:
+        """The arms, then the ladder's added rungs (``<arm>_x<k>`` for each factor k > 1)."""
+        if self.ladder is None:
+            return list(self.arms)
+        base = next(a for a in self.arms if a.name == self.ladder.arm)
+        scale = self.ladder.scale
+        rungs = [
+            LadderRung(
+                name=f"{base.name}_x{k}",
+                overrides=base.overrides,
+                description=f"batch ladder: {base.name} at {k}× the leaves (rollout.{scale} × {k})",
+                base=base.name,
+                factor=k,
+                scale=scale,
+            )
+            for k in sorted(self.ladder.factors)
+            if k > 1
+        ]
+        return [*self.arms, *rungs]
+
     def metrics(self) -> list[str]:
-        """The metrics the table and the criterion use."""
+        """The metrics the table, the primary outcome and the criterion use."""
         used = [self.evaluation.metric]
+        if self.primary is not None:
+            used.append(self.primary.metric)
         if self.criterion is not None:
             used += [leaf.metric for leaf in leaves(self.criterion)]
         return list(dict.fromkeys(used))

@@ -16,18 +16,40 @@ Standard error of one evaluation (:func:`eval_var` gives SE²):
   n < 2) the SE is unknown (None) and a criterion on that metric is not
   measurable.
 
-A difference of two evaluations adds their variances. With m seeds each seed
-gives one difference d_s (arms paired by seed); the estimate is the mean D and
-SE² = Σ_s var_s / m² + s_d² / m (s_d: sample sd of the d_s; second term only
-when m ≥ 2). margin, collapse, any_of and all_of are judged on D and SE as
-described in ``docs/experiments.md``.
+A difference of two evaluations adds their variances. With m seeds (arms paired
+by seed: same tasks, LoRA init and held-out examples) each seed gives one
+difference d_s; :func:`combine` forms the estimate and its SE:
 
-Power. The margin rule calls D > 0 when D > 2·SE; a true difference δ is called
-with probability Φ(δ/SE − 2), so the minimum detectable difference at power π is
-MDE = (2 + z_π)·SE (z_0.8 = 0.8416: MDE = 2.84·SE). Before running, the SE of a
-design with m seeds per arm is predicted from a measured run-to-run variance σ²
-of the final metric (seed to seed, one arm) and the evaluation's own variance v:
-SE² = (2v + 2σ²)/m, the same sum :func:`combine` forms.
+    D = (1/m) Σ_s d_s,   SE = s_d/√m,   s_d² = Σ_s (d_s − D)²/(m − 1),   df = m − 1
+
+The spread s_d of the d_s already holds each seed's evaluation noise (and the
+run-to-run variation), so the evaluations' variances are not added again (the
+old rule SE² = Σ var_s/m² + s_d²/m counted that noise twice). Decisions use the
+t critical value c = t_{m−1, 0.975} (12.71 at m = 2, 2.78 at m = 5, 2.26 at
+m = 10; :func:`critical`): with an SE estimated from m − 1 degrees of freedom,
+"D > 2·SE" is passed by chance 5.8 % of the time at m = 5 (one side), "D > c·SE"
+2.5 %.
+
+Weaker rule where the seeds give no spread (m = 1, or every d_s equal): only
+the evaluations' own variances are known, SE = √(Σ_s var_s)/m, judged at the
+normal c = z_0.975 = 1.96 (``df`` None). That SE leaves out run-to-run
+variation, so it understates the true SE of a comparison of training runs; the
+verdict text says so.
+
+margin, collapse, any_of and all_of are judged on D, SE and c as described in
+``docs/experiments.md``: margin is validated when D − min_diff > c·SE and failed
+when < −c·SE.
+
+Power. With T = D/SE, a true difference δ gives T ~ noncentral t(m − 1, λ),
+λ = δ√m/σ_d, so the rule calls it with probability P(T > c). The minimum
+detectable difference at power π (:func:`mde`) is MDE = λ_π·SE, λ_π solving
+P(t'(m − 1, λ) > c) = π (3.76 at m = 5, π = 0.8; the textbook approximation
+(c + z_π)·SE gives 3.62 and powers of 0.77); with ``df`` None, MDE =
+(1.96 + z_π)·SE = 2.80·SE. Before running, plan from a measured variance σ_d²
+of one seed's paired difference (:func:`planned_se`: SE = σ_d/√m;
+:func:`seeds_for`): a pilot's s_d², or 2·s² from one arm's seed-to-seed variance
+s² of the final metric (which holds its evaluation noise; arms independent
+given the seed), not from per-arm variances added to evaluation variances.
 """
 
 from __future__ import annotations
@@ -36,6 +58,7 @@ import math
 import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -76,6 +99,21 @@ def as_curve(points: Sequence[EvalPoint | Sequence[float]]) -> Curve:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def pool_points(a: EvalPoint, b: EvalPoint) -> EvalPoint:
+    """Two evaluations of one policy as one of n = n_a + n_b examples, at ``a``'s step.
+
+    x̄ = (n_a·x̄_a + n_b·x̄_b)/n; s² = ((n_a − 1)s_a² + (n_b − 1)s_b² + n_a·n_b·(x̄_a − x̄_b)²/n)/(n − 1),
+    the sample variance of the n values together (None when either part's is unknown).
+    """
+    n = a.n + b.n
+    mean = (a.n * a.value + b.n * b.value) / n
+    var = None
+    if a.sample_var is not None and b.sample_var is not None and n >= 2:
+        between = a.n * b.n * (a.value - b.value) ** 2 / n
+        var = ((a.n - 1) * a.sample_var + (b.n - 1) * b.sample_var + between) / (n - 1)
+    return EvalPoint(a.step, mean, n, var)
+
+
 def binomial_var(value: float, n: int) -> float:
     """Agresti–Caffo variance of a rate on n examples: p̃(1 − p̃)/(n + 2), p̃ = (pn + 1)/(n + 2)."""
     p = min(max(value, 0.0), 1.0)
@@ -107,30 +145,89 @@ def eval_var(point: EvalPoint, metric: str) -> float | None:
     return point.sample_var / point.n
 
 
-def combine(diffs: Sequence[float], variances: Sequence[float]) -> tuple[float, float]:
-    """Mean over seeds and its SE: sqrt(Σ var_s / m² + s_d² / m) (second term only with m ≥ 2)."""
-    m = len(diffs)
-    mean = sum(diffs) / m
-    var = sum(variances) / m**2
-    if m >= 2:
-        var += sum((d - mean) ** 2 for d in diffs) / (m - 1) / m
-    return mean, math.sqrt(var)
+@dataclass(frozen=True)
+class Estimate:
+    """A mean over seeds with its SE and the degrees of freedom behind that SE (module docstring)."""
+
+    mean: float
+    se: float
+    df: int | None
+    """m − 1 when the SE is the seeds' spread s_d/√m; None when only evaluation variances are known."""
+    seeds: int
+
+    @property
+    def critical(self) -> float:
+        """The decision threshold in SEs: t_{df, 0.975}, or z_0.975 without df."""
+        return critical(self.df)
+
+    def basis(self) -> str:
+        """How the SE was formed, for the verdict text."""
+        if self.df is not None:
+            return f"{self.seeds} seeds: s_d/√m, t_{self.df} = {self.critical:.2f}"
+        why = "1 seed" if self.seeds == 1 else f"{self.seeds} seeds with equal values"
+        return f"{why}: evaluation noise only, no run-to-run spread, z = {self.critical:.2f}; weaker"
 
 
-def mde(se: float, power: float = 0.8) -> float:
-    """Minimum detectable difference of the 2-SE rule at ``power``: (2 + z_power)·SE."""
-    return (2.0 + statistics.NormalDist().inv_cdf(power)) * se
+def combine(values: Sequence[float], variances: Sequence[float]) -> Estimate:
+    """Mean over seeds with SE s_d/√m on m − 1 df; with no spread (m = 1, all equal): √(Σ var_s)/m, df None."""
+    m = len(values)
+    mean = sum(values) / m
+    spread = sum((d - mean) ** 2 for d in values) / (m - 1) if m >= 2 else 0.0
+    if spread > 0:
+        return Estimate(mean, math.sqrt(spread / m), m - 1, m)
+    return Estimate(mean, math.sqrt(sum(variances)) / m, None, m)
 
 
-def planned_se(run_var: float, eval_var: float, seeds: int) -> float:
-    """Predicted SE of a paired seed-mean difference: sqrt((2·eval_var + 2·run_var)/seeds)."""
-    return math.sqrt((2 * eval_var + 2 * run_var) / seeds)
+@lru_cache(maxsize=256)
+def critical(df: int | None, level: float = 0.975) -> float:
+    """t_{df, level} (Student t quantile, scipy), or the normal quantile z_level when df is None."""
+    if df is None:
+        return statistics.NormalDist().inv_cdf(level)
+    from scipy.stats import t  # lazily: scipy.stats takes ~0.7 s to import
+
+    return float(t.ppf(level, df))
 
 
-def seeds_for(target_mde: float, run_var: float, eval_var: float, power: float = 0.8) -> int:
-    """Seeds per arm for which the planned MDE is at most ``target_mde``."""
-    z = 2.0 + statistics.NormalDist().inv_cdf(power)
-    return max(2, math.ceil((2 * eval_var + 2 * run_var) * (z / target_mde) ** 2))
+@lru_cache(maxsize=256)
+def _mde_factor(df: int | None, power: float) -> float:
+    """λ with P(noncentral t(df, λ) > t_{df, 0.975}) = power; (z_0.975 + z_power) without df."""
+    c = critical(df)
+    if df is None:
+        return c + statistics.NormalDist().inv_cdf(power)
+    from scipy.optimize import brentq
+    from scipy.stats import nct
+
+    return float(brentq(lambda lam: nct.sf(c, df, lam) - power, 0.0, c + 40.0))
+
+
+def mde(se: float, df: int | None, power: float = 0.8) -> float:
+    """Minimum detectable difference of the rule at ``power``: λ_power·SE (module docstring)."""
+    return _mde_factor(df, power) * se
+
+
+def planned_se(diff_var: float, seeds: int) -> float:
+    """Predicted SE of the mean paired difference over ``seeds`` seeds: √(σ_d²/m)."""
+    return math.sqrt(diff_var / seeds)
+
+
+def seeds_for(target_mde: float, diff_var: float, power: float = 0.8) -> int:
+    """The fewest seeds (≥ 2) whose planned MDE, on m − 1 df, is at most ``target_mde``."""
+
+    if target_mde <= 0:
+        raise ValueError(f"seeds_for: target_mde must be > 0, got {target_mde}")
+
+    def enough(m: int) -> bool:
+        return mde(planned_se(diff_var, m), m - 1, power) <= target_mde
+
+    if enough(2):
+        return 2
+    lo, hi = 2, 4  # not enough(lo); double hi until enough(hi), then bisect
+    while not enough(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if enough(mid) else (mid, hi)
+    return hi
 
 
 def mean_curve(curves: Sequence[Curve], metric: str) -> list[tuple[int, float, float | None]]:
@@ -146,7 +243,8 @@ def mean_curve(curves: Sequence[Curve], metric: str) -> list[tuple[int, float, f
         if any(v is None for v in variances):
             out.append((step, sum(values) / len(values), None))
         else:
-            out.append((step, *combine(values, variances)))  # type: ignore[arg-type]
+            est = combine(values, variances)  # type: ignore[arg-type]
+            out.append((step, est.mean, est.se))
     return out
 
 
@@ -173,10 +271,11 @@ class CriterionResult:
         return out
 
 
-def _classify(excess: float, se: float) -> Verdict:
-    if excess > 2 * se:
+def _classify(excess: float, est: Estimate) -> Verdict:
+    """validated when excess > c·SE, failed when < −c·SE (c: :func:`critical` at the estimate's df)."""
+    if excess > est.critical * est.se:
         return "validated"
-    if excess < -2 * se:
+    if excess < -est.critical * est.se:
         return "failed"
     return "inconclusive"
 
@@ -246,13 +345,14 @@ def evaluate_margin(c: MarginCriterion, curves: Mapping[str, Mapping[int, Curve]
     if not seeds or len(diffs) < len(seeds):
         why = "; ".join(notes) or "no seed has both arms"
         return CriterionResult("margin", "inconclusive", f"{label}: not measurable ({why})", {"notes": notes})
-    diff, se = combine(diffs, variances)
+    est = combine(diffs, variances)
+    diff, se = est.mean, est.se
     excess = diff - c.min_diff
-    verdict = _classify(excess, se)
+    verdict = _classify(excess, est)
     text = (
-        f"{label}: difference {_signed(diff, metric)} ({_se(se, metric)}, {len(diffs)} seed(s)),"
+        f"{label}: difference {_signed(diff, metric)} ({_se(se, metric)}, {est.basis()}),"
         f" {_signed(excess, metric).removesuffix(' points')} vs the threshold = {_in_se(excess, se)}"
-        f" → {verdict}; minimum detectable difference at 80 % power {_amount(mde(se), metric)}"
+        f" → {verdict}; minimum detectable difference at 80 % power {_amount(mde(se, est.df), metric)}"
     )
     if notes:
         text += " [" + "; ".join(notes) + "]"
@@ -264,8 +364,10 @@ def evaluate_margin(c: MarginCriterion, curves: Mapping[str, Mapping[int, Curve]
         "min_diff": c.min_diff,
         "diff": diff,
         "se": se,
+        "df": est.df,
+        "critical": est.critical,
         "excess": excess,
-        "mde_80": mde(se),
+        "mde_80": mde(se, est.df),
         "per_seed_diff": diffs,
         "steps": steps,
         "notes": notes,
@@ -273,7 +375,7 @@ def evaluate_margin(c: MarginCriterion, curves: Mapping[str, Mapping[int, Curve]
     return CriterionResult("margin", verdict, text, numbers)
 
 
-def _drop(curves: Mapping[int, Curve], metric: str) -> tuple[float, float, list[float], list[tuple[int, int]]] | str:
+def _drop(curves: Mapping[int, Curve], metric: str) -> tuple[Estimate, list[float], list[tuple[int, int]]] | str:
     """Mean drop (peak − final) over seeds with its SE, per-seed drops and (peak, final) steps; or why not."""
     drops, variances, where = [], [], []
     for curve in curves.values():
@@ -289,8 +391,7 @@ def _drop(curves: Mapping[int, Curve], metric: str) -> tuple[float, float, list[
         where.append((peak.step, final.step))
     if not drops:
         return "no evaluations"
-    mean, se = combine(drops, variances)
-    return mean, se, drops, where
+    return combine(drops, variances), drops, where
 
 
 def evaluate_collapse(c: CollapseCriterion, curves: Mapping[str, Mapping[int, Curve]]) -> CriterionResult:
@@ -304,12 +405,15 @@ def evaluate_collapse(c: CollapseCriterion, curves: Mapping[str, Mapping[int, Cu
         got = _drop({s: curves[arm][s] for s in seeds}, metric)
         if isinstance(got, str):
             return CriterionResult("collapse", "inconclusive", f"{label}: not measurable ({arm}: {got})")
-        drop, se, per_seed, where = got
-        excess = drop - c.drop
-        status = {"validated": "collapsed", "failed": "stable", "inconclusive": "uncertain"}[_classify(excess, se)]
+        est, per_seed, where = got
+        excess = est.mean - c.drop
+        status = {"validated": "collapsed", "failed": "stable", "inconclusive": "uncertain"}[_classify(excess, est)]
         states[arm] = {
-            "drop": drop,
-            "se": se,
+            "drop": est.mean,
+            "se": est.se,
+            "df": est.df,
+            "critical": est.critical,
+            "basis": est.basis(),
             "excess": excess,
             "status": status,
             "per_seed_drop": per_seed,
@@ -323,8 +427,9 @@ def evaluate_collapse(c: CollapseCriterion, curves: Mapping[str, Mapping[int, Cu
     else:
         verdict = "inconclusive"
     text = (
-        f"{label}: {c.baseline} drop {_amount(b['drop'], metric)} ({_se(b['se'], metric)}) → {b['status']};"
-        f" {c.treatment} drop {_amount(t['drop'], metric)} ({_se(t['se'], metric)}) → {t['status']}"
+        f"{label}: {c.baseline} drop {_amount(b['drop'], metric)} ({_se(b['se'], metric)}, {b['basis']})"
+        f" → {b['status']}; {c.treatment} drop {_amount(t['drop'], metric)} ({_se(t['se'], metric)},"
+        f" {t['basis']}) → {t['status']}"
         f" → {verdict}"
     )
     numbers = {

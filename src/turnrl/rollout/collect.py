@@ -33,23 +33,20 @@ episode id (:class:`RolloutContractError`).
 
 from __future__ import annotations
 
-import asyncio
 import copy
 import hashlib
-import inspect
 import json
 import math
-import threading
-from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from types import MappingProxyType
-from typing import Any, Protocol
+from typing import Any
 
 from turnrl.chat import ChatTemplate
 from turnrl.credit.shaping import shaped_rewards
 from turnrl.envs import Env, make_env
+from turnrl.rollout.concurrent import run_concurrently
 from turnrl.rollout.guard import guarded_group_rewards, guarded_step
+from turnrl.rollout.settings import RolloutSettings
 from turnrl.sampling.base import Sampler
 from turnrl.types import (
     Episode,
@@ -62,81 +59,7 @@ from turnrl.types import (
     Turn,
 )
 
-DEFAULT_ENV_WORKERS = 8
-
-
-class RolloutSection(Protocol):
-    """The keys of the ``rollout`` config section that :class:`RolloutSettings` reads."""
-
-    tasks_per_step: int
-    group_size: int
-    branching: list[int] | None
-    max_turns: int | None
-    dynamic_sampling: bool
-    refill: bool
-    max_context_tokens: int | None
-    env_workers: int
-    shaping: bool
-    shaping_gamma: float
-    truncated_completion_reward: float | None
-    task_seeds: bool | None
-
-
-class EnvSection(Protocol):
-    options: dict[str, Any]
-
-
-class RolloutSource(Protocol):
-    """What :meth:`RolloutSettings.from_config` reads of a run config: its ``rollout`` and ``env``
-    sections (this package may not import the config; this Protocol says what it must have)."""
-
-    rollout: RolloutSection
-    env: EnvSection
-
-
-@dataclass(frozen=True)
-class RolloutSettings:
-    """How a run collects episodes, resolved once (the ``rollout`` section and the environment options).
-
-    ``shape`` is the training rollouts' shape (``[G]`` flat, ``[G1, G2, ...]`` tree);
-    ``shaping_gamma`` is None when shaping is off.
-    """
-
-    shape: tuple[int, ...] = (1,)
-    tasks_per_step: int = 1
-    dynamic_sampling: bool = False
-    refill: bool = False
-    env_options: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    max_turns: int | None = None
-    max_context_tokens: int | None = None
-    env_workers: int = DEFAULT_ENV_WORKERS
-    shaping_gamma: float | None = None
-    truncated_reward: float | None = None
-    task_seeds: bool = False
-    """Seed every draw from (the call's seed, task index, branch, turn) instead of from its place in the
-    sampler call, so a task's episodes do not depend on which other tasks are collected with it (or by
-    which process): :func:`row_seed`."""
-
-    @classmethod
-    def from_config(cls, cfg: RolloutSource) -> RolloutSettings:
-        r = cfg.rollout
-        return cls(
-            shape=tuple(r.branching or [r.group_size]),
-            tasks_per_step=r.tasks_per_step,
-            dynamic_sampling=r.dynamic_sampling,
-            refill=r.refill,
-            env_options=MappingProxyType(dict(cfg.env.options)),
-            max_turns=r.max_turns,
-            max_context_tokens=r.max_context_tokens,
-            env_workers=r.env_workers,
-            shaping_gamma=r.shaping_gamma if r.shaping else None,
-            truncated_reward=r.truncated_completion_reward,
-            task_seeds=bool(r.task_seeds),
-        )
-
-    def for_evaluation(self) -> RolloutSettings:
-        """The same limits and environment options without the training-only reward changes."""
-        return replace(self, shaping_gamma=None, truncated_reward=None)
+DEFAULT_ROLLOUT = RolloutSettings()
 
 
 class RolloutContractError(RuntimeError):
@@ -174,55 +97,6 @@ class _Live:
         return child
 
 
-def run_concurrently(calls: list[Callable[[], Any]], pool: ThreadPoolExecutor | None) -> list[Any]:
-    """Call every function at once; results in input order.
-
-    A coroutine function's coroutine (or any awaitable a call returns) is awaited with the
-    others in one ``asyncio.gather``; a plain call runs in ``pool`` (inline without one, or when
-    there is a single call). The first exception is raised after every call has finished.
-    """
-    results: list[Any] = [None] * len(calls)
-    awaitables: dict[int, Any] = {}
-    futures = {}
-    for i, fn in enumerate(calls):
-        if inspect.iscoroutinefunction(fn) or pool is None or len(calls) == 1:
-            results[i] = fn()
-        else:
-            futures[i] = pool.submit(fn)
-    errors = []
-    for i, fut in futures.items():
-        try:
-            results[i] = fut.result()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, after the others finished
-            errors.append(exc)
-    for i, r in enumerate(results):
-        if inspect.isawaitable(r):
-            awaitables[i] = r
-    if awaitables:
-        for i, r in zip(awaitables, _gather(list(awaitables.values())), strict=True):
-            if isinstance(r, BaseException):
-                errors.append(r)
-            results[i] = r
-    if errors:
-        raise errors[0]
-    return results
-
-
-def _gather(awaitables: list[Any]) -> list[Any]:
-    async def main() -> list[Any]:
-        return await asyncio.gather(*awaitables, return_exceptions=True)
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(main())
-    out: list[Any] = []  # called from inside an event loop (a notebook): run ours in a thread
-    worker = threading.Thread(target=lambda: out.extend(asyncio.run(main())))
-    worker.start()
-    worker.join()
-    return out
-
-
 def _key_json(env: Env) -> str | None:
     key = env.state_key()
     if key is None:
@@ -241,7 +115,7 @@ def collect(
     chat: ChatTemplate,
     params: SamplingParams,
     shape: list[int] | tuple[int, ...],
-    settings: RolloutSettings = RolloutSettings(),
+    settings: RolloutSettings = DEFAULT_ROLLOUT,
     *,
     id_prefix: str = "",
     first_task: int = 0,
@@ -257,42 +131,19 @@ def collect(
     to the environment, reward 0) and a reply that fills it ends the episode; either way
     the episode is truncated with stop reason ``context_limit``. ``truncated_reward``
     replaces the reward of every episode with a length-cut turn (on its last turn).
-    ``env_workers`` threads step plain (non-async) environments. (Each of these is a field of ``settings``.)
+    ``env_workers`` threads step plain (non-async) environments. Each of these is a field of ``settings``, the
+    run's :class:`RolloutSettings`, which the helpers below read as well (no limit is passed on its own).
 
     ``first_task``: the index of ``tasks[0]`` among the step's tasks, when this call collects a share of
     them (one process's): group ``g{i}`` and episode ``e{k}`` are then numbered as in one call for every
     task, and with ``settings.task_seeds`` the draws are those of that call.
     """
-    env_options, max_turns, max_context_tokens = (
-        dict(settings.env_options),
-        settings.max_turns,
-        settings.max_context_tokens,
-    )
-    shaping_gamma, truncated_reward, env_workers = (
-        settings.shaping_gamma,
-        settings.truncated_reward,
-        settings.env_workers,
-    )
-    with ThreadPoolExecutor(max_workers=max(1, env_workers), thread_name_prefix="env") as pool:
-        envs = [make_env(task, **env_options) for task in tasks]
+    with ThreadPoolExecutor(max_workers=max(1, settings.env_workers), thread_name_prefix="env") as pool:
+        envs = [make_env(task, **settings.env_options) for task in tasks]
         openings = run_concurrently([env.initial_messages for env in envs], pool)
         live: list[_Live] = []
         for t, (task, env, messages) in enumerate(zip(tasks, envs, openings, strict=True)):
-            tools = env.tools()
-            context, sources = chat.initial_with_sources(messages, tools)
-            if max_context_tokens is not None and len(context) >= max_context_tokens:
-                raise ValueError(
-                    f"task {task.task_id!r}: the opening context is {len(context)} tokens, at or over"
-                    f" rollout.max_context_tokens = {max_context_tokens}; raise rollout.max_context_tokens"
-                )
-            task_text = next((str(m["content"]) for m in reversed(messages) if m["role"] == "user"), "")
-            i = first_task + t
-            root = _Live(
-                env, task, f"{id_prefix}g{i}", [], messages, context, sources, tools, prompt=task_text, index=i
-            )
-            if shaping_gamma is not None:
-                phi = env.potential()
-                root.potentials = None if phi is None else [float(phi)]
+            root = _open(task, env, messages, chat, settings, f"{id_prefix}g{first_task + t}", first_task + t)
             live += [root.fork(i) for i in range(shape[0])]
 
         turn = 0
@@ -305,7 +156,7 @@ def collect(
             if settings.task_seeds:
                 call = replace(call, row_seeds=tuple(row_seed(params.seed, e.index, e.branch, turn) for e in active))
             samples = sampler.sample([e.context for e in active], call, [e.messages for e in active])
-            fitted = [_fit(e, s, max_context_tokens) for e, s in zip(active, samples, strict=True)]
+            fitted = [_fit(e, s, settings.max_context_tokens) for e, s in zip(active, samples, strict=True)]
             samples = [s for s, _ in fitted]
             texts = [s.text if s.text is not None else chat.decode(s.ids) for s in samples]
             stepping = [k for k, (_, cut) in enumerate(fitted) if not cut]
@@ -314,20 +165,41 @@ def collect(
             for k, result in zip(stepping, stepped, strict=True):
                 results[k] = result
             for e, sample, text, key, result in zip(active, samples, texts, keys, results, strict=True):
-                _advance(e, sample, text, key, result, chat, sampler.policy_version, max_turns, max_context_tokens)
+                _advance(e, sample, text, key, result, chat, sampler.policy_version, settings)
             turn += 1
             if turn < len(shape):  # branch point: every node (ended or not) gets shape[turn] children
                 live = [e.fork(j) for e in live for j in range(shape[turn])]
         for factor in shape[turn + 1 :]:  # every episode ended before these branch points: trees stay whole
             live = [e.fork(j) for e in live for j in range(factor)]
     leaves = math.prod(shape)
-    episodes = [_finish(e, first_task * leaves + k, shaping_gamma, truncated_reward) for k, e in enumerate(live)]
+    episodes = [_finish(e, first_task * leaves + k, settings) for k, e in enumerate(live)]
     _group_rewards(episodes, live)
     for ep in episodes:
         errors = ep.validate()
         if errors:
             raise RolloutContractError(f"episode {ep.episode_id}: {'; '.join(errors)}")
     return episodes
+
+
+def _open(
+    task: Task, env: Env, messages: list[Message], chat: ChatTemplate, settings: RolloutSettings, group: str, index: int
+) -> _Live:
+    """The root of a task's episodes: its opening context (within ``max_context_tokens``) and, with shaping,
+    Φ(s_0)."""
+    tools = env.tools()
+    context, sources = chat.initial_with_sources(messages, tools)
+    limit = settings.max_context_tokens
+    if limit is not None and len(context) >= limit:
+        raise ValueError(
+            f"task {task.task_id!r}: the opening context is {len(context)} tokens, at or over"
+            f" rollout.max_context_tokens = {limit}; raise rollout.max_context_tokens"
+        )
+    task_text = next((str(m["content"]) for m in reversed(messages) if m["role"] == "user"), "")
+    root = _Live(env, task, group, [], messages, context, sources, tools, prompt=task_text, index=index)
+    if settings.shaping_gamma is not None:
+        phi = env.potential()
+        root.potentials = None if phi is None else [float(phi)]
+    return root
 
 
 def row_seed(seed: int, task: int, branch: list[int], turn: int) -> int:
@@ -361,12 +233,11 @@ def _advance(
     result: StepResult | None,
     chat: ChatTemplate,
     policy_version: int,
-    max_turns: int | None,
-    max_context_tokens: int | None,
+    settings: RolloutSettings,
 ) -> None:
     reward = result.reward if result is not None else 0.0
     if episode.potentials is not None and result is not None and not result.terminated:
-        episode.potentials.append(float(episode.env.potential()))  # Φ(terminal) = 0 is not recorded
+        episode.potentials.append(_potential(episode.env))  # Φ(terminal) = 0 is not recorded
     observation = episode.env.observation_text(result.messages) if result is not None and result.messages else None
     if result is not None and result.error is not None:
         observation = f"[the environment raised on this reply: {result.error}]"
@@ -398,15 +269,26 @@ def _advance(
     if result.done:
         _end(episode, history, truncated=result.truncated, reason=result.stop_reason, terminated=result.terminated)
         return
-    if max_turns is not None and len(episode.turns) >= max_turns:
+    if settings.max_turns is not None and len(episode.turns) >= settings.max_turns:
         _end(episode, history, truncated=True, reason=StopReason.COLLECTOR_LIMIT)
         return
     episode.context, episode.sources = chat.extend_with_sources(
         episode.context, episode.sources, sample.ids, history, result.messages, episode.tools
     )
     episode.messages = history + result.messages
-    if max_context_tokens is not None and len(episode.context) >= max_context_tokens:
+    if settings.max_context_tokens is not None and len(episode.context) >= settings.max_context_tokens:
         _end(episode, episode.messages, truncated=True, reason=StopReason.CONTEXT_LIMIT)
+
+
+def _potential(env: Env) -> float:
+    """Φ(s) of a state after the first (whose Φ was a number): a number too."""
+    phi = env.potential()
+    if phi is None:
+        raise ValueError(
+            f"environment {type(env).__name__}: potential() returned None after its first state returned a number;"
+            " return a number for every state (or None for every state: no shaping)"
+        )
+    return float(phi)
 
 
 def _end(episode: _Live, messages: list[Message], *, truncated: bool, reason: Any, terminated: bool = False) -> None:
@@ -428,13 +310,16 @@ def _stop_reason(env: Env, reason: Any) -> StopReason | None:
         ) from None
 
 
-def _finish(e: _Live, k: int, shaping_gamma: float | None, truncated_reward: float | None) -> Episode:
+def _finish(e: _Live, k: int, settings: RolloutSettings) -> Episode:
+    truncated_reward, shaping_gamma = settings.truncated_reward, settings.shaping_gamma
     if truncated_reward is not None and any(t.finish_reason == "length" for t in e.turns):
         e.rewards = [0.0] * (len(e.rewards) - 1) + [float(truncated_reward)]
         for turn, r in zip(e.turns, e.rewards, strict=True):
             turn.reward = r
         e.metrics["truncated_reward"] = 1.0
-    if e.potentials is not None:  # r'_k = r_k + γΦ(s_{k+1}) − Φ(s_k); a truncated end keeps Φ(s_K)
+    if (
+        e.potentials is not None and shaping_gamma is not None
+    ):  # r'_k = r_k + γΦ(s_{k+1}) − Φ(s_k); a truncated end keeps Φ(s_K)
         shaped = shaped_rewards(e.rewards, e.potentials, shaping_gamma)
         e.rewards = [float(r) for r in shaped]
         for turn, r in zip(e.turns, e.rewards, strict=True):
@@ -473,17 +358,3 @@ def _group_rewards(episodes: list[Episode], live: list[_Live]) -> None:
             ep.turns[-1].reward = (ep.turns[-1].reward or 0.0) + float(bonus)
             ep.reward += float(bonus)
             ep.metrics["reward/group"] = float(bonus)
-
-
-def mask_truncated_turns(episodes: list[Episode]) -> dict[str, float]:
-    """``train.mask_truncated_completions``: a length-cut turn is not trained (advantage None).
-
-    Call after credit. Returns ``completions/masked_truncated``: the fraction of turns masked.
-    """
-    turns = [t for ep in episodes for t in ep.turns]
-    masked = 0
-    for t in turns:
-        if t.finish_reason == "length" and t.advantage is not None:
-            t.advantage = None
-            masked += 1
-    return {"completions/masked_truncated": masked / len(turns) if turns else 0.0}

@@ -9,27 +9,26 @@ own ``sampler.*`` parameters. ``register_sampler`` adds one from user code.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic
 
-from pydantic import BaseModel
-
-from turnrl.sampling.base import Sampler, SamplerParams, SamplerSection, SamplerSettings
+from turnrl.sampling.base import P, Sampler, SamplerParams, SamplerSection, SamplerSettings
 
 
 @dataclass(frozen=True)
-class SamplerSpec:
-    """A generation backend: ``factory(model, tokenizer, settings, stale=...)`` → Sampler
-    (``settings`` a :class:`SamplerSettings`; its ``params`` are the backend's own)."""
+class SamplerSpec(Generic[P]):
+    """A generation backend, generic in its parameter model ``P``: ``factory(model, tokenizer, settings,
+    stale=...)`` → Sampler (``settings`` a :class:`SamplerSettings` whose ``params`` are a ``P``)."""
 
-    factory: str | Any
+    factory: str | Callable[..., Sampler]
     """A callable, or its ``"module:attr"`` path (imported lazily)."""
-    params: type[BaseModel] = SamplerParams
+    params: type[P] = SamplerParams  # type: ignore[assignment]  # a backend without parameters of its own
     shares_weights: bool = True
     """Generates with the trainer's own module (no stale-sampler correction needed when fresh)."""
 
 
-SAMPLERS: dict[str, SamplerSpec] = {}
+SAMPLERS: dict[str, SamplerSpec[Any]] = {}
 
 
 def _register_builtin_backends() -> None:
@@ -47,12 +46,12 @@ def _register_builtin_backends() -> None:
     )
 
 
-def register_sampler(name: str, spec: SamplerSpec) -> None:
+def register_sampler(name: str, spec: SamplerSpec[Any]) -> None:
     """Add a backend under ``name`` (then ``sampler.backend: name`` works in configs)."""
     SAMPLERS[name] = spec
 
 
-def get_sampler(name: str) -> SamplerSpec:
+def get_sampler(name: str) -> SamplerSpec[Any]:
     if name not in SAMPLERS:
         raise ValueError(f"unknown sampler.backend {name!r}; choose one of {', '.join(sorted(SAMPLERS))}")
     return SAMPLERS[name]
@@ -68,7 +67,7 @@ def _resolve(target: str | Any) -> Any:
     return obj
 
 
-def make_sampler(settings: SamplerSettings, model, tokenizer, *, stale: bool | None = None) -> Sampler:
+def make_sampler(settings: SamplerSettings[Any], model: Any, tokenizer: Any, *, stale: bool | None = None) -> Sampler:
     """The sampler ``settings.backend`` for a policy.
 
     ``stale`` (default: ``settings.refresh_every > 1``) keeps the sampler's own copy of the

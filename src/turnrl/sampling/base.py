@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict
 
@@ -15,27 +15,44 @@ class SamplerParams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
+    @property
+    def differs_from_trainer(self) -> bool:
+        """These settings make the sampler's log-probs other than the trainer's even with the same weights
+        (e.g. generating with rounded weights), so ``loss.mismatch.mode: auto`` corrects for it."""
+        return False
+
 
 class SamplerSection(Protocol):
     """The keys of the ``sampler`` config section that :class:`SamplerSettings` reads (this package
     may not import the config: the section is passed in, and this Protocol says what it must have)."""
 
-    backend: str
-    temperature: float
-    top_p: float
-    max_tokens: int
-    top_k_logprobs: int
-    batch_size: int
-    refresh_every: int
-
+    @property
+    def backend(self) -> str: ...
+    @property
+    def temperature(self) -> float: ...
+    @property
+    def top_p(self) -> float: ...
+    @property
+    def max_tokens(self) -> int: ...
+    @property
+    def top_k_logprobs(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def refresh_every(self) -> int: ...
     @property
     def params(self) -> BaseModel: ...
 
 
+P = TypeVar("P", bound=BaseModel)
+"""A backend's own parameter model."""
+
+
 @dataclass(frozen=True)
-class SamplerSettings:
-    """The sampler of a run, resolved once: the backend with its own parameters, how it samples,
-    how often its weights are refreshed. A backend's factory receives this object."""
+class SamplerSettings(Generic[P]):
+    """The sampler of a run, resolved once: the backend with its own parameters (an instance of the
+    backend's model ``P``), how it samples, how often its weights are refreshed. A backend's factory
+    receives this object, typed ``SamplerSettings[ItsParams]``."""
 
     backend: str = "hf"
     temperature: float = 1.0
@@ -44,11 +61,11 @@ class SamplerSettings:
     top_k_logprobs: int = 0
     batch_size: int = 32
     refresh_every: int = 1
-    params: BaseModel = field(default_factory=SamplerParams)
+    params: P = field(default_factory=SamplerParams)  # type: ignore[assignment]  # a backend without parameters
 
     @classmethod
-    def from_config(cls, section: SamplerSection) -> SamplerSettings:
-        return cls(
+    def from_config(cls, section: SamplerSection) -> SamplerSettings[BaseModel]:
+        return SamplerSettings(
             section.backend,
             section.temperature,
             section.top_p,

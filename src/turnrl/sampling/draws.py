@@ -24,7 +24,8 @@ from turnrl.types import SamplingParams
 
 
 class InverseCDFDraws:
-    """A logits processor list for ``generate(do_sample=False, logits_processor=draws.processors)``."""
+    """A logits processor list for ``generate(do_sample=False, logits_processor=draws.processors)``, or the
+    tokens themselves for a decode loop of the sampler's own (:meth:`draw`)."""
 
     def __init__(self, params: SamplingParams, device, seed: int) -> None:
         from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
@@ -39,6 +40,7 @@ class InverseCDFDraws:
             warpers.append(TemperatureLogitsWarper(params.temperature))
         if params.top_p < 1.0:
             warpers.append(TopPLogitsWarper(params.top_p))
+        self.warpers = LogitsProcessorList(warpers)
         self.processors = LogitsProcessorList([*warpers, self])
 
     def uniforms(self, rows: int, device) -> torch.Tensor:
@@ -49,9 +51,17 @@ class InverseCDFDraws:
             u = torch.cat([torch.rand(1, generator=g, device=device, dtype=torch.float64) for g in self.generators])
         return 1.0 - u  # torch.rand is in [0, 1)
 
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+    def token(self, scores: torch.Tensor) -> torch.Tensor:
+        """The drawn token of each row (``[B]``) from the processed ``scores``, which are kept."""
         self.scores.append(scores)
         cdf = scores.float().softmax(-1).cumsum(-1, dtype=torch.float64)
         u = self.uniforms(scores.shape[0], scores.device) * cdf[:, -1]
-        token = torch.searchsorted(cdf, u.unsqueeze(-1)).clamp_max(scores.shape[-1] - 1)
-        return torch.full_like(scores, float("-inf")).scatter_(-1, token, 0.0)
+        return torch.searchsorted(cdf, u.unsqueeze(-1)).clamp_max(scores.shape[-1] - 1).squeeze(-1)
+
+    def draw(self, input_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The warpers, then :meth:`token`: the drawn tokens (a decode loop of its own calls this)."""
+        return self.token(self.warpers(input_ids, logits))
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        token = self.token(scores)
+        return torch.full_like(scores, float("-inf")).scatter_(-1, token.unsqueeze(-1), 0.0)

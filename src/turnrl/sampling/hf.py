@@ -25,6 +25,12 @@ Generation with the LoRA merged (``merge_lora``, ``turnrl.sampling.merged_lora``
 at T > 0 (``turnrl.sampling.draws``: the inverse CDF at one uniform per row, per-row seeds for
 ``SamplingParams.row_seeds``).
 
+The packed decoder (``fast_decode``, on by default; Llama-family models on the CPU): instead of transformers'
+``generate``, the sampler runs its own forward over weights packed for oneDNN, repacked when the weights
+change (``turnrl.sampling.packed``), with the shared prefix's keys/values kept once for all rows and
+``generate``'s greedy loop (``turnrl.sampling.decode``). The same tokens and log-probs up to float rounding;
+for another model (or device) the sampler uses ``generate`` (``fast_decode_unsupported`` says why).
+
 Staleness: with ``stale=True`` the sampler keeps its own snapshot of the
 trainable (LoRA) weights, taken at each :meth:`refresh`, and swaps it in while
 generating, so rollouts come from the policy of the last refresh
@@ -33,18 +39,20 @@ generating, so rollouts come from the policy of the last refresh
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 import torch
 from pydantic import Field
 
 from turnrl.chat import end_of_turn_ids
+from turnrl.sampling import decode
 from turnrl.sampling.base import SamplerParams
 from turnrl.sampling.draws import InverseCDFDraws
 from turnrl.sampling.merged_lora import MergedLoRA
+from turnrl.sampling.packed import PackedDecoder, unsupported_reason
 from turnrl.types import Message, Sample, SamplingParams
 
 if TYPE_CHECKING:
@@ -64,6 +72,18 @@ class HFSamplerParams(SamplerParams):
     merge_lora: bool = True
     """Generate with each LoRA adapter merged into its base weight (``turnrl.sampling.merged_lora``): one matmul
     per layer instead of three; the log-probs equal the trainer's within float rounding (False: peft's LoRA forward)."""
+    fast_decode: bool = True
+    """Generate with the packed decoder (``turnrl.sampling.packed``: weights packed for oneDNN once per version,
+    a hand-written loop over the layers, the shared prefix's keys/values once for all rows) where the model
+    supports it (a Llama-family model in float32 on the CPU), else with transformers' ``generate``. Same tokens
+    and log-probs up to float rounding (False: always ``generate``)."""
+    decode_dtype: Literal["float32", "bfloat16"] = "float32"
+    """The packed decoder's weights: ``bfloat16`` halves the bytes each step reads, but its log-probs are no longer
+    the trainer's (so ``loss.mismatch.mode: auto`` turns the correction on)."""
+
+    @property
+    def differs_from_trainer(self) -> bool:
+        return self.fast_decode and self.decode_dtype != "float32"
 
 
 @dataclass
@@ -99,13 +119,16 @@ def _preallocated_layer_class():
 
         def __init__(self, capacity: int, keys=None, values=None, length: int = 0) -> None:
             super().__init__()
-            self.capacity, self._buffers, self._length = capacity, None, 0
+            self.capacity, self._length = capacity, 0
+            self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
             if keys is not None:
                 self.device, self.is_initialized = keys.device, True
                 self._buffers, self._length = (keys, values), length
                 self._view()
 
         def _view(self) -> None:
+            if self._buffers is None:
+                return
             keys, values = self._buffers
             self.keys, self.values = keys[:, :, : self._length], values[:, :, : self._length]
 
@@ -113,7 +136,10 @@ def _preallocated_layer_class():
             if self._buffers is None:
                 b, h, _, d = key_states.shape
                 self.device, self.is_initialized = key_states.device, True
-                self._buffers = tuple(t.new_empty(b, h, self.capacity, d) for t in (key_states, value_states))
+                self._buffers = (
+                    key_states.new_empty(b, h, self.capacity, d),
+                    value_states.new_empty(b, h, self.capacity, d),
+                )
             keys, values = self._buffers
             end = self._length + key_states.shape[-2]
             if end > keys.shape[-2]:  # past the capacity (not expected): grow, as DynamicLayer would
@@ -141,7 +167,7 @@ def _preallocated_layer_class():
     return PreallocatedLayer
 
 
-_PREALLOCATED_LAYER = None
+_PREALLOCATED_LAYER: type | None = None
 
 
 def _preallocated_cache(capacity: int, filled: list[tuple[torch.Tensor, torch.Tensor]] | None = None, rows: int = 0):
@@ -208,6 +234,8 @@ class HFSampler:
         reuse_kv_gib: float = 2.0,
         preallocate_kv: bool = True,
         merge_lora: bool = True,
+        fast_decode: bool = True,
+        decode_dtype: str = "float32",
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
@@ -216,6 +244,11 @@ class HFSampler:
         self.reuse_kv_bytes = int(reuse_kv_gib * 2**30)
         self.preallocate_kv = preallocate_kv
         self._merged = MergedLoRA() if merge_lora else None
+        self.fast_decode_unsupported = unsupported_reason(model) if fast_decode else "fast_decode is off"
+        """Why this sampler runs transformers' ``generate`` instead of the packed decoder (None: it does not)."""
+        self._decode_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[decode_dtype]
+        self._decoder: PackedDecoder | None = None
+        self._decoder_key: tuple | None = None
         self._pasts: list[_Past] = []
         self._pasts_key: tuple | None = None
         self.reused_tokens = 0
@@ -227,7 +260,9 @@ class HFSampler:
             self._snapshot = self._trainable_state()
 
     @classmethod
-    def from_config(cls, model, tokenizer, settings: SamplerSettings, *, stale: bool = False) -> HFSampler:
+    def from_config(
+        cls, model, tokenizer, settings: SamplerSettings[HFSamplerParams], *, stale: bool = False
+    ) -> HFSampler:
         """The ``hf`` entry of the sampler registry (``settings``: the run's sampler settings)."""
         return cls(
             model,
@@ -237,6 +272,8 @@ class HFSampler:
             reuse_kv_gib=settings.params.reuse_kv_gib,
             preallocate_kv=settings.params.preallocate_kv,
             merge_lora=settings.params.merge_lora,
+            fast_decode=settings.params.fast_decode,
+            decode_dtype=settings.params.decode_dtype,
         )
 
     def _trainable_state(self) -> dict[str, torch.Tensor]:
@@ -278,8 +315,19 @@ class HFSampler:
                 params_by_name[n].data.copy_(t)
         was_training = self.model.training
         self.model.eval()
-        merged = self._merged.applied(self.model, weights_key) if self._merged is not None else nullcontext()
+        if self._decoder is None and self.fast_decode_unsupported is None:  # again: FSDP may have sharded it since
+            self.fast_decode_unsupported = unsupported_reason(self.model)
+        fast = self.fast_decode_unsupported is None
+        merged: AbstractContextManager[None] = nullcontext()
+        if self._merged is not None and not fast:
+            merged = self._merged.applied(self.model, weights_key)
         try:
+            if fast and weights_key != self._decoder_key:  # pack this version of the weights
+                if self._decoder is None:
+                    self._decoder = PackedDecoder(self.model, self._decode_dtype)
+                else:
+                    self._decoder.refresh(self.model)
+                self._decoder_key = weights_key
             with merged:
                 for start in range(0, len(contexts), self.batch_size):
                     chunk = contexts[start : start + self.batch_size]
@@ -298,13 +346,9 @@ class HFSampler:
     def _generate(
         self, contexts: list[list[int]], params: SamplingParams, seed: int, previous: list[_Past]
     ) -> list[Sample]:
-        from turnrl.models import CACHE_KWARG  # not at import: turnrl.models -> config -> this registry
-
         device = next(self.model.parameters()).device
-        pad = self.tokenizer.pad_token_id
         arrays = [np.asarray(c, dtype=np.int64) for c in contexts]
         matches = [_longest_match(a, previous) for a in arrays] if previous else []
-        extra = {}
         reuse = bool(matches) and all(m >= self.MIN_SHARED_PREFIX for _, m in matches)
         if reuse:  # every row continues a kept past
             cached = [m for _, m in matches]
@@ -313,6 +357,56 @@ class HFSampler:
             shared = common_prefix_length(contexts) if self.prefix_cache and len(contexts) > 1 else 0
             shared = min(shared, min(len(c) for c in contexts) - 1)  # every row keeps >= 1 token to feed
             cached = [shared if shared >= self.MIN_SHARED_PREFIX else 0] * len(contexts)
+        # T > 0: the warpers and the draw are ours (DRAWS); the decode loop is greedy on what they return
+        draws = self.DRAWS(params, device, seed) if params.temperature > 0 else None
+        run = self._decode_packed if self.fast_decode_unsupported is None else self._decode_hf
+        new_tokens, scores, kv_of = run(contexts, params, matches if reuse else None, cached, draws)
+        # scores: one [B, V] tensor per generated position, after temperature/top-p processing
+        logprobs = torch.stack([s.float().log_softmax(-1) for s in scores], dim=1).cpu()
+        samples = []
+        for row in range(len(contexts)):
+            ids = new_tokens[row].tolist()
+            end = next((k for k, t in enumerate(ids) if t in self.stop_ids), None)
+            finish = "stop" if end is not None else "length"
+            n = end + 1 if end is not None else len(ids)
+            ids = ids[:n]
+            lp_rows = logprobs[row, :n]
+            lps = lp_rows.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
+            topk_ids = topk_lps = None
+            if params.top_k_logprobs:
+                vals, idx = lp_rows.topk(params.top_k_logprobs, dim=-1)
+                topk_ids, topk_lps = idx.tolist(), vals.tolist()
+            samples.append(Sample(ids, [min(lp, 0.0) for lp in lps], finish, topk_ids, topk_lps))
+        if self.reuse_kv_bytes and kv_of is not None:
+            self._remember(arrays, samples, kv_of)
+        return samples
+
+    def _decode_packed(self, contexts, params: SamplingParams, matches, cached: list[int], draws):
+        """The packed decoder's call: new tokens ``[B, n]``, the scores, and each row's keys/values by
+        ``(row, fed)``. With kept pasts, the prefix every row shares is taken once from the first row's."""
+        shared = cached[0]
+        if matches is not None:
+            shared = min(common_prefix_length(contexts), *cached) if self.prefix_cache and len(contexts) > 1 else 0
+            shared = shared if shared >= self.MIN_SHARED_PREFIX else 0
+        decoder = self._decoder
+        assert decoder is not None  # packed in generate before any call
+        call = decode.prepare(decoder, contexts, matches, shared, params.max_tokens, self.tokenizer.pad_token_id)
+        draw = draws.draw if draws is not None else None
+        new_tokens, scores = decode.generate(
+            decoder, call, params.max_tokens, self.stop_ids, self.tokenizer.pad_token_id, draw
+        )
+        if draws is not None:  # the sampling distribution: the scores after the warpers
+            scores = draws.scores
+        return new_tokens, scores, lambda row, fed: decode.row_kv(call, row, fed)
+
+    def _decode_hf(self, contexts, params: SamplingParams, matches, cached: list[int], draws):
+        """transformers' ``generate``: new tokens ``[B, n]``, the scores, and each row's keys/values by
+        ``(row, fed)`` (None: a sliding-window layer keeps only its window)."""
+        from turnrl.models import CACHE_KWARG  # not at import: turnrl.models -> config -> this registry
+
+        device = next(self.model.parameters()).device
+        pad = self.tokenizer.pad_token_id
+        extra = {}
         cache_width = max(cached)
         suffix_width = max(len(c) - k for c, k in zip(contexts, cached, strict=True))
         width = cache_width + suffix_width
@@ -326,8 +420,9 @@ class HFSampler:
             attention[row, width - (len(ctx) - k) :] = 1
         # positions the call's cache will hold: the cached width, the rows' rest, the new tokens
         capacity = width + params.max_tokens if self.preallocate_kv else None
-        if reuse:
-            extra[CACHE_KWARG] = self._assemble(matches, cache_width, device, capacity)
+        if matches is not None:
+            kept = [(past, m) for past, m in matches if past is not None]  # all of them: every m > 0
+            extra[CACHE_KWARG] = self._assemble(kept, cache_width, device, capacity)
         elif cache_width:
             # logits only at the last position: the prefix's own logits are never used
             prefix = self.model(input_ids=input_ids[:1, :cache_width].to(device), use_cache=True, logits_to_keep=1)
@@ -339,8 +434,6 @@ class HFSampler:
             extra[CACHE_KWARG] = cache
         elif capacity is not None:  # nothing cached: each layer's buffers are allocated by its first update
             extra[CACHE_KWARG] = _preallocated_cache(capacity)
-        # T > 0: the warpers and the draw are ours (DRAWS); generate runs greedy on what they return
-        draws = self.DRAWS(params, device, seed) if params.temperature > 0 else None
         if draws is not None:
             extra["logits_processor"] = draws.processors
         gen = self.model.generate(
@@ -357,27 +450,18 @@ class HFSampler:
             return_dict_in_generate=True,
             **extra,
         )
-        new_tokens = gen.sequences[:, width:].cpu()
-        # scores: one [B, V] tensor per generated position, after temperature/top-p processing
         scores = draws.scores if draws is not None else gen.scores
-        logprobs = torch.stack([s.float().log_softmax(-1) for s in scores], dim=1).cpu()
-        samples = []
-        for row in range(len(contexts)):
-            ids = new_tokens[row].tolist()
-            end = next((k for k, t in enumerate(ids) if t in self.stop_ids), None)
-            finish = "stop" if end is not None else "length"
-            n = end + 1 if end is not None else len(ids)
-            ids = ids[:n]
-            lp_rows = logprobs[row, :n]
-            lps = lp_rows.gather(-1, torch.tensor(ids).unsqueeze(-1)).squeeze(-1).tolist()
-            topk_ids = topk_lps = None
-            if params.top_k_logprobs:
-                vals, idx = lp_rows.topk(params.top_k_logprobs, dim=-1)
-                topk_ids, topk_lps = idx.tolist(), vals.tolist()
-            samples.append(Sample(ids, [min(lp, 0.0) for lp in lps], finish, topk_ids, topk_lps))
-        if self.reuse_kv_bytes:
-            self._remember(arrays, samples, getattr(gen, CACHE_KWARG), attention, width)
-        return samples
+        cache = getattr(gen, CACHE_KWARG)
+        if any(getattr(cache, "is_sliding", None) or []):  # a sliding-window layer keeps only its window
+            return gen.sequences[:, width:].cpu(), scores, None
+        layers = _layer_kv(cache)
+
+        def kv_of(row: int, fed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            cols = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + fed)])
+            cols = cols.to(layers[0][0].device)
+            return [(k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in layers]
+
+        return gen.sequences[:, width:].cpu(), scores, kv_of
 
     def _assemble(self, matches: list[tuple[_Past, int]], width: int, device, capacity: int | None = None) -> object:
         """One batch cache of ``width`` positions: row r's kept keys/values (its first m_r) right-aligned, the left
@@ -404,18 +488,12 @@ class HFSampler:
             cache.layers, cache.layer_class_to_replicate = layers, None
         return cache
 
-    def _remember(self, contexts: list[np.ndarray], samples: list[Sample], cache, attention, width: int) -> None:
+    def _remember(self, contexts: list[np.ndarray], samples: list[Sample], kv_of) -> None:
         """Keep each row's own keys/values (its context and the sampled tokens it fed), within the budget."""
-        if any(getattr(cache, "is_sliding", None) or []):  # a sliding-window layer keeps only its window
-            return
-        layers = _layer_kv(cache)
         used = sum(p.nbytes for p in self._pasts)
         for row, (ctx, sample) in enumerate(zip(contexts, samples, strict=True)):
             fed = len(sample.ids) - 1  # the last sampled token was never fed
-            cols = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + fed)])
-            cols = cols.to(layers[0][0].device)
-            kv = [(k[row].index_select(1, cols), v[row].index_select(1, cols)) for k, v in layers]
-            past = _Past(np.concatenate([ctx, np.asarray(sample.ids[:fed], dtype=np.int64)]), kv)
+            past = _Past(np.concatenate([ctx, np.asarray(sample.ids[:fed], dtype=np.int64)]), kv_of(row, fed))
             if used + past.nbytes > self.reuse_kv_bytes:
                 return
             used += past.nbytes

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
@@ -52,9 +53,9 @@ class MergedLoRA:
 
     def __init__(self) -> None:
         self._key: Sequence | None = None
-        self._merged: list[tuple[object, torch.Tensor]] = []
+        self._merged: list[tuple[Any, torch.Tensor]] = []  # (a peft LoraLayer, its merged weight)
 
-    def _weights(self, model: torch.nn.Module, key: Sequence) -> list[tuple[object, torch.Tensor]]:
+    def _weights(self, model: torch.nn.Module, key: Sequence) -> list[tuple[Any, torch.Tensor]]:
         if key != self._key:
             self._merged = []  # free the previous version's tensors before computing the next
             with torch.no_grad():

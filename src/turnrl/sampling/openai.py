@@ -19,9 +19,19 @@ protocol:
   character out of its probability list; those are asked for again (the full
   distribution at that position), so every id has its log-prob.
 
-Requests run concurrently (``max_concurrency`` threads); the openai client retries
-connection errors, 408/409/429 and 5xx with exponential backoff (``retries``). A server
-that cannot be reached raises ``ConnectionError`` naming the URL.
+Requests run concurrently (``max_concurrency`` at once, on the openai client's asyncio API).
+Each attempt has ONE deadline, ``request_timeout`` seconds for all of it (connecting, sending,
+waiting, reading the whole reply: a server trickling a byte every half second is cut off there,
+which a per-read timeout never does). Every reply is checked against its request before it is
+used (:mod:`turnrl.sampling.replies`: token count <= ``max_tokens``, ids in the vocabulary,
+finite log-probs <= 0 up to rounding, lists that pair up, fields of the right JSON type). What a
+failed attempt does to the run: a connection error, a missed deadline, HTTP 408/409/429/5xx or
+a reply that breaks those rules is retried, ``retries`` times, after ``retry_backoff`` seconds
+doubling up to 8; then the run stops with one line naming the server and what it did
+(``ConnectionError`` when it could not be reached, :class:`~turnrl.sampling.replies.ServerError`
+otherwise). Another HTTP status (400, 404, ...) stops it at once: a refused request is not
+retried. A run stopped so resumes from its last checkpoint (``--resume``) once the server is
+fixed; nothing a bad reply held is trained on.
 
 Weight sync: the policy is the served base model plus the trainer's LoRA adapter. At
 each sync the adapter is written with peft (``save_pretrained``) to ``adapter_dir``
@@ -44,20 +54,38 @@ The served base must be the policy's base: for outer iteration n ≥ 1 (adapters
 
 from __future__ import annotations
 
-import math
+import asyncio
 import os
 import secrets
 import shutil
 import tempfile
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from pydantic import Field
 
 from turnrl.chat import end_of_turn_ids
 from turnrl.sampling.base import SamplerParams
+from turnrl.sampling.replies import (
+    BadReply,
+    ReplyRules,
+    ServerError,
+    completion_choice,
+    field,
+    parse_choice,
+    parse_json,
+    token_id,
+)
 from turnrl.types import Message, Sample, SamplingParams
+
+__all__ = ["LoraFollower", "OpenAISampler", "OpenAISamplerParams", "ServerError", "parse_choice"]
+
+T = TypeVar("T")
+RETRIED_STATUS = frozenset({408, 409, 429})
+"""HTTP statuses retried besides 5xx (timeout, conflict, rate limit): the server may answer later."""
+MAX_BACKOFF_S = 8.0
 
 if TYPE_CHECKING:
     import torch
@@ -78,10 +106,12 @@ class OpenAISamplerParams(SamplerParams):
     """Reply shape and sampling extras to use (see the module doc)."""
     max_concurrency: int = Field(8, ge=1)
     """Requests in flight at once."""
-    request_timeout: float = Field(120.0, gt=0)
-    """Seconds per request before it counts as failed (and is retried)."""
-    retries: int = Field(3, ge=0)
-    """Retries of a failed request (exponential backoff, by the openai client)."""
+    request_timeout: float = Field(120.0, gt=0, le=86_400)
+    """Seconds one attempt may take in all (connect, send, wait, read the whole reply): one deadline, not per read."""
+    retries: int = Field(3, ge=0, le=100)
+    """Retries of a failed attempt (unreachable, past the deadline, 408/409/429/5xx, or a wrong reply)."""
+    retry_backoff: float = Field(0.5, ge=0, le=60)
+    """Seconds before the first retry; doubled for each next one, at most 8."""
     lora_sync: bool = True
     """Load the trainer's LoRA adapter into the server at every sync (vLLM only)."""
     adapter_dir: str | None = None
@@ -96,7 +126,7 @@ def _client(p: OpenAISamplerParams):
     except ImportError as exc:  # pragma: no cover - depends on the environment
         raise ImportError("sampler.backend 'openai' needs the openai client: pip install 'turnrl[openai]'") from exc
     key = os.environ.get(p.api_key_env) or "EMPTY"
-    return openai.OpenAI(base_url=p.base_url, api_key=key, timeout=p.request_timeout, max_retries=p.retries)
+    return openai.AsyncOpenAI(base_url=p.base_url, api_key=key, timeout=p.request_timeout, max_retries=0)
 
 
 def _connection_error(url: str, exc: BaseException) -> ConnectionError:
@@ -106,60 +136,15 @@ def _connection_error(url: str, exc: BaseException) -> ConnectionError:
     )
 
 
-def _token_id(token: Any) -> int:
-    """vLLM's ``return_tokens_as_token_ids`` spelling ``"token_id:123"`` → 123."""
-    if isinstance(token, int):
-        return token
-    if isinstance(token, str) and token.startswith("token_id:"):
-        return int(token[len("token_id:") :])
-    raise ValueError(
-        f"the server returned the token {token!r} as text, not as an id; with sampler.server: vllm the server"
-        " must honour return_tokens_as_token_ids (vLLM >= 0.6); other servers: set sampler.server"
-    )
-
-
-def _log(p: float) -> float:
-    return math.log(p) if p > 0 else -math.inf
-
-
-def parse_choice(choice: dict, server: str, top_k: int, post_sampling: bool) -> Sample:
-    """One completion choice (as JSON) → :class:`Sample` (ids, log-probs, optional top-k)."""
-    finish = "stop" if choice.get("finish_reason") == "stop" else "length"
-    lp = choice.get("logprobs") or {}
-    ids: list[int]
-    logprobs: list[float]
-    tk_ids: list[list[int]] | None = None
-    tk_lps: list[list[float]] | None = None
-    if server == "llama_cpp":
-        content = lp.get("content")
-        if content is None:
-            raise ValueError("the llama.cpp reply has no logprobs.content; is sampler.server right?")
-        ids = [int(t["id"]) for t in content]
-        if post_sampling:
-            logprobs = [_log(float(t["prob"])) for t in content]
-        else:
-            logprobs = [float(t["logprob"]) for t in content]
-        if top_k:
-            key, val = ("top_probs", "prob") if post_sampling else ("top_logprobs", "logprob")
-            tk_ids = [[int(c["id"]) for c in t[key][:top_k]] for t in content]
-            tk_lps = [[_log(c[val]) if post_sampling else float(c[val]) for c in t[key][:top_k]] for t in content]
-    else:
-        tokens, token_lps = lp.get("tokens"), lp.get("token_logprobs")
-        if tokens is None or token_lps is None:
-            raise ValueError("the reply has no logprobs.tokens / token_logprobs; is sampler.server right?")
-        ids = [_token_id(t) for t in tokens]
-        logprobs = [float(x) if x is not None else -math.inf for x in token_lps]
-        if top_k:
-            tops = lp.get("top_logprobs") or [{}] * len(ids)
-            pairs = [
-                sorted(((_token_id(t), float(v)) for t, v in d.items()), key=lambda kv: -kv[1])[:top_k] for d in tops
-            ]
-            tk_ids = [[i for i, _ in row] for row in pairs]
-            tk_lps = [[v for _, v in row] for row in pairs]
-    bad = [x for x in logprobs if not math.isfinite(x)]
-    if bad:
-        raise ValueError(f"the server returned {len(bad)} sampled token(s) with log-prob -inf or null")
-    return Sample(ids, [min(x, 0.0) for x in logprobs], finish, tk_ids, tk_lps)
+def _run(make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+    """``await make()`` from synchronous code: in a new event loop here, or in a thread of its own when
+    this thread already runs one (a notebook)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(make())
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(lambda: asyncio.run(make())).result()
 
 
 class LoraFollower:
@@ -251,59 +236,119 @@ class OpenAISampler(LoraFollower):
         self.tokenizer = tokenizer
         self.p = params
         self.stop_ids = end_of_turn_ids(tokenizer)
-        self.client = _client(params)
+        config = getattr(model, "config", None)  # ids the trainer can score: its output width may pad the tokenizer's
+        self.vocab = max(len(tokenizer), int(getattr(config, "vocab_size", 0) or 0))
         self._base_name = params.served_model
 
     @classmethod
-    def from_config(cls, model, tokenizer, settings: SamplerSettings, *, stale: bool = False) -> OpenAISampler:
+    def from_config(
+        cls, model, tokenizer, settings: SamplerSettings[OpenAISamplerParams], *, stale: bool = False
+    ) -> OpenAISampler:
         """The ``openai`` entry of the sampler registry (``settings``: the run's sampler settings)."""
         return cls(model, tokenizer, settings.params, stale=stale)
 
     # -- server calls ----------------------------------------------------------------
-    def _call(self, fn, *args, **kwargs):
+    def _with_client(self, work: Callable[[Any], Awaitable[T]]) -> T:
+        """``work(client)`` with a fresh asyncio client, from synchronous code (see :func:`_run`)."""
+
+        async def main() -> T:
+            async with _client(self.p) as client:
+                return await work(client)
+
+        return _run(main)
+
+    async def _call(self, send: Callable[[], Awaitable[Any]], path: str, read: Callable[[Any], T]) -> T:
+        """``read(await send())``: each attempt under ONE deadline (``request_timeout`` for all of it),
+        retried as the module doc says; ``read`` may refuse a reply (:class:`BadReply`, retried too)."""
         import openai
 
-        try:
-            return fn(*args, **kwargs)
-        except (openai.APIConnectionError, openai.APITimeoutError) as exc:
-            raise _connection_error(self.p.base_url, exc) from exc
-        except openai.APIStatusError as exc:
-            raise RuntimeError(
-                f"the server at sampler.base_url={self.p.base_url} answered {exc.status_code}"
-                f" (after {self.p.retries} retries for transient errors): {exc.message}"
-            ) from exc
+        problem, unreachable, attempt = "", None, 0
+        for attempt in range(self.p.retries + 1):  # noqa: B007 - the count is reported below
+            if attempt:
+                await asyncio.sleep(min(self.p.retry_backoff * 2 ** (attempt - 1), MAX_BACKOFF_S))
+            try:
+                async with asyncio.timeout(self.p.request_timeout):
+                    reply = await send()
+                return read(reply)
+            except openai.APIStatusError as exc:
+                problem, unreachable = f"answered HTTP {exc.status_code} ({str(exc.message)[:200]})", None
+                if exc.status_code < 500 and exc.status_code not in RETRIED_STATUS:
+                    break  # a refused request: asking again gets the same answer
+            except TimeoutError:
+                problem = f"sent no complete reply within sampler.request_timeout={self.p.request_timeout} s"
+                unreachable = None
+            except openai.APIConnectionError as exc:
+                problem, unreachable = "could not be reached", exc
+            except BadReply as exc:
+                problem, unreachable = f"sent a reply the request cannot have produced: {exc}", None
+        if unreachable is not None:
+            raise _connection_error(self.p.base_url, unreachable)
+        raise ServerError(
+            f"the server at sampler.base_url={self.p.base_url} {problem} (POST {path},"
+            f" {f'after {attempt} retries' if attempt else 'not retried'}); fix the server, or sampler.server"
+            f" ({self.p.server!r}) if another kind answers there"
+        )
 
-    def base_model_name(self) -> str:
+    async def _json(self, client, path: str, body: dict | None, rules: ReplyRules, check=None) -> Any:
+        """POST ``body`` (GET without one) and read the reply as JSON checked by ``check`` (module doc)."""
+
+        def send() -> Awaitable[str]:
+            return client.get(path, cast_to=str) if body is None else client.post(path, cast_to=str, body=body)
+
+        def read(text: Any) -> Any:
+            data = parse_json(text, rules)
+            return check(data) if check is not None else data
+
+        return await self._call(send, path, read)
+
+    async def _model_name(self, client) -> str:
         if self._base_name is None:
-            models = self._call(self.client.models.list).data
-            if not models:
-                raise ValueError(f"the server at {self.p.base_url} serves no model; set sampler.served_model")
-            self._base_name = models[0].id
+
+            def first(reply: Any) -> str:
+                models = field(reply, "data", list, "the /models reply")
+                if not models:
+                    raise ValueError(f"the server at {self.p.base_url} serves no model; set sampler.served_model")
+                return str(field(models[0], "id", str, "the /models reply's data[0]"))[:200]
+
+            self._base_name = await self._json(client, "/models", None, ReplyRules(), first)
         return self._base_name
 
-    def _request(self, context: list[int], params: SamplingParams, seed: int) -> Sample:
+    def base_model_name(self) -> str:
+        """The served base model's name (``sampler.served_model``, else the first of ``GET /models``)."""
+        return self._with_client(self._model_name)
+
+    async def _request(self, client, context: list[int], params: SamplingParams, seed: int) -> Sample:
+        rules = ReplyRules(params.max_tokens, self.vocab, params.top_k_logprobs)
         if self.p.server == "llama_cpp":
-            return self._llama_cpp_request(context, params, seed)
+            return await self._llama_cpp_request(client, context, params, seed, rules)
         greedy = params.temperature == 0
-        resp = self._call(
-            self.client.completions.create,
-            model=self.adapter_name or self.base_model_name(),
-            prompt=list(context),
-            max_tokens=params.max_tokens,
-            temperature=params.temperature,
-            top_p=1.0 if greedy else params.top_p,
-            logprobs=max(params.top_k_logprobs, 1),
-            seed=seed,
-            extra_body={
-                "return_tokens_as_token_ids": True,
-                "skip_special_tokens": False,
-                "stop_token_ids": self.stop_ids,
-                "top_k": -1,
-                "min_p": 0.0,
-                "repetition_penalty": 1.0,
-            },
-        )
-        return parse_choice(resp.to_dict()["choices"][0], "vllm", params.top_k_logprobs, post_sampling=False)
+        body = {
+            "model": self.adapter_name or await self._model_name(client),
+            "prompt": list(context),
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "top_p": 1.0 if greedy else params.top_p,
+            "logprobs": max(params.top_k_logprobs, 1),
+            "seed": seed,
+            "return_tokens_as_token_ids": True,
+            "skip_special_tokens": False,
+            "stop_token_ids": self.stop_ids,
+            "top_k": -1,
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+        }
+
+        def check(reply: Any) -> Sample:
+            return parse_choice(
+                completion_choice(reply),
+                "vllm",
+                params.top_k_logprobs,
+                False,
+                max_tokens=rules.max_tokens,
+                vocab=self.vocab,
+            )
+
+        return await self._json(client, "/completions", body, rules, check)
 
     def _llama_cpp_body(self, prompt: list[int], params: SamplingParams, seed: int, n_predict: int, n_probs: int):
         greedy = params.temperature == 0
@@ -323,7 +368,9 @@ class OpenAISampler(LoraFollower):
             "cache_prompt": True,
         }
 
-    def _llama_cpp_request(self, context: list[int], params: SamplingParams, seed: int) -> Sample:
+    async def _llama_cpp_request(
+        self, client, context: list[int], params: SamplingParams, seed: int, rules: ReplyRules
+    ) -> Sample:
         """llama-server's own ``/completion``: its ``tokens`` are every sampled id.
 
         Its probability list leaves out tokens that end inside a UTF-8 character (byte
@@ -333,36 +380,44 @@ class OpenAISampler(LoraFollower):
         root = self.p.base_url.rstrip("/").removesuffix("/v1")
         post = params.temperature > 0
         k = max(params.top_k_logprobs, 1)
-        reply = self._call(
-            self.client.post,
-            f"{root}/completion",
-            cast_to=dict,
-            body=self._llama_cpp_body(list(context), params, seed, params.max_tokens, k),
-        )
-        ids = [int(t) for t in reply["tokens"]]
-        entries, probs = [], list(reply.get("completion_probabilities") or [])
+        key, val = ("top_probs", "prob") if post else ("top_logprobs", "logprob")
+
+        def check(reply: Any) -> tuple[list[int], list, Any]:
+            tokens = field(reply, "tokens", list, "the reply")
+            if len(tokens) > params.max_tokens:
+                raise BadReply(f"{len(tokens):,} tokens for a request of n_predict={params.max_tokens}")
+            probs = reply.get("completion_probabilities") or []
+            if not isinstance(probs, list) or not all(isinstance(p, dict) for p in probs):
+                raise BadReply("completion_probabilities is not a list of objects")
+            return [token_id(t, rules, f"tokens[{i}]") for i, t in enumerate(tokens)], probs, reply.get("stop_type")
+
+        body = self._llama_cpp_body(list(context), params, seed, params.max_tokens, k)
+        ids, probs, stop_type = await self._json(client, f"{root}/completion", body, rules, check)
+        entries = []
         for i, tok in enumerate(ids):
-            if probs and int(probs[0]["id"]) == tok:
+            if probs and probs[0].get("id") == tok:
                 entries.append(probs.pop(0))
                 continue
-            full = self._call(
-                self.client.post,
-                f"{root}/completion",
-                cast_to=dict,
-                body=self._llama_cpp_body(list(context) + ids[:i], params, seed, 1, len(self.tokenizer)),
-            )["completion_probabilities"][0]
-            key, val = ("top_probs", "prob") if post else ("top_logprobs", "logprob")
-            mine = [c for c in full[key] if int(c["id"]) == tok]
+            again = self._llama_cpp_body(list(context) + ids[:i], params, seed, 1, len(self.tokenizer))
+            full = await self._json(client, f"{root}/completion", again, ReplyRules(1, self.vocab, self.vocab))
+            first = field(full, "completion_probabilities", list, "the reply")
+            alts = field(first[0] if first else {}, key, list, "completion_probabilities[0]")
+            mine = [c for c in alts if isinstance(c, dict) and c.get("id") == tok]
             if not mine:
-                raise ValueError(f"llama-server at {self.p.base_url} gave no probability for sampled token {tok}")
-            entries.append({"id": tok, val: mine[0][val], key: full[key][:k]})
-        finish = "stop" if reply.get("stop_type") in ("eos", "word") else "length"
-        return parse_choice(
-            {"finish_reason": finish, "logprobs": {"content": entries}},
-            "llama_cpp",
-            params.top_k_logprobs,
-            post_sampling=post,
-        )
+                raise ServerError(f"llama-server at {self.p.base_url} gave no probability for sampled token {tok}")
+            entries.append({"id": tok, val: mine[0].get(val), key: alts[:k]})
+        finish = "stop" if stop_type in ("eos", "word") else "length"
+        try:
+            return parse_choice(
+                {"finish_reason": finish, "logprobs": {"content": entries}},
+                "llama_cpp",
+                params.top_k_logprobs,
+                post,
+                max_tokens=params.max_tokens,
+                vocab=self.vocab,
+            )
+        except BadReply as exc:
+            raise ServerError(f"the server at sampler.base_url={self.p.base_url} sent a wrong reply: {exc}") from None
 
     def sample(
         self, contexts: list[list[int]], params: SamplingParams, messages: list[list[Message]] | None = None
@@ -370,8 +425,24 @@ class OpenAISampler(LoraFollower):
         if not self.stale:
             self._sync_if_changed()
         seeds = [params.row_seed(i) for i in range(len(contexts))]
-        with ThreadPoolExecutor(max_workers=self.p.max_concurrency) as pool:
-            return list(pool.map(lambda cs: self._request(cs[0], params, cs[1]), zip(contexts, seeds, strict=True)))
+
+        async def all_of(client) -> list[Sample]:
+            bound = asyncio.Semaphore(self.p.max_concurrency)
+
+            async def one(context: list[int], seed: int) -> Sample:
+                async with bound:
+                    return await self._request(client, context, params, seed)
+
+            if self.p.server == "vllm" and self.adapter_name is None:
+                await self._model_name(client)  # once, before the requests ask for it together
+            try:
+                async with asyncio.TaskGroup() as group:  # the first failure cancels the others
+                    tasks = [group.create_task(one(c, s)) for c, s in zip(contexts, seeds, strict=True)]
+            except BaseExceptionGroup as eg:
+                raise eg.exceptions[0] from None
+            return [t.result() for t in tasks]
+
+        return self._with_client(all_of)
 
     def _load(self, name: str, path: Path) -> None:
         """vLLM's dynamic LoRA endpoints: load ``name`` from ``path``, then unload the previous adapter."""
@@ -387,8 +458,15 @@ class OpenAISampler(LoraFollower):
                 " follow the trainer's weights; train with a vLLM server (vllm serve --enable-lora, with"
                 " VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) or sampler.backend: hf / vllm"
             )
-        self._call(
-            self.client.post, "/load_lora_adapter", body={"lora_name": name, "lora_path": str(path)}, cast_to=str
-        )
-        if self.adapter_name is not None:
-            self._call(self.client.post, "/unload_lora_adapter", body={"lora_name": self.adapter_name}, cast_to=str)
+        previous = self.adapter_name
+
+        async def load(client) -> None:
+            await self._post_text(client, "/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
+            if previous is not None:
+                await self._post_text(client, "/unload_lora_adapter", {"lora_name": previous})
+
+        self._with_client(load)
+
+    async def _post_text(self, client, path: str, body: dict) -> None:
+        """An admin call whose reply is text ("Success"), not JSON: the same deadline and retries."""
+        await self._call(lambda: client.post(path, cast_to=str, body=body), path, lambda _: None)

@@ -225,7 +225,9 @@ class VLLMSampler(LoraFollower):
             shutil.rmtree(self.work, ignore_errors=True)
 
     @classmethod
-    def from_config(cls, model, tokenizer, settings: SamplerSettings, *, stale: bool = False) -> VLLMSampler:
+    def from_config(
+        cls, model, tokenizer, settings: SamplerSettings[VLLMSamplerParams], *, stale: bool = False
+    ) -> VLLMSampler:
         """The ``vllm`` entry of the sampler registry (``settings``: the run's sampler settings)."""
         return cls(model, tokenizer, settings.params, stale=stale)
 

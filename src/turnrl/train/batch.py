@@ -5,7 +5,8 @@ turn's tokens masked in, the episode as one sequence) or a single turn (the
 turn's full context as masked prompt, its action as the trained tokens). The
 advantages are the turns' own ``Turn.advantage`` (set by credit); turns whose
 advantage is None (a tree's shared prefix, trained in another leaf) are masked
-out.
+out. :func:`mask_truncated_turns` (``train.mask_truncated_completions``) sets it to
+None on length-cut turns after credit, so they are masked out the same way.
 """
 
 from __future__ import annotations
@@ -35,19 +36,18 @@ class Row:
 def _turn_tokens(turn: Turn, advantage: float | None, n_prompt: int) -> tuple[list[int], list[float], list[float]]:
     """Mask, advantages and behavior log-probs for ``n_prompt`` untrained tokens followed by a turn's action."""
     n = len(turn.action_ids)
-    trained = advantage is not None
-    mask = [0] * n_prompt + [int(trained)] * n
-    adv = [0.0] * n_prompt + [advantage if trained else 0.0] * n
+    mask = [0] * n_prompt + [int(advantage is not None)] * n
+    adv = [0.0] * n_prompt + [0.0 if advantage is None else advantage] * n
     lps = [0.0] * n_prompt + list(turn.action_logprobs)
     return mask, adv, lps
 
 
 def _topk(turns_and_prompts: list[tuple[Turn, int]]) -> tuple[list[list[int]] | None, list[list[float]] | None]:
-    if any(t.topk_ids is None for t, _ in turns_and_prompts):
-        return None, None
     ids: list[list[int]] = []
     lps: list[list[float]] = []
     for turn, n_prompt in turns_and_prompts:
+        if turn.topk_ids is None or turn.topk_logprobs is None:
+            return None, None
         k = len(turn.topk_ids[0]) if turn.topk_ids else 0
         ids += [[0] * k] * n_prompt + turn.topk_ids
         lps += [[0.0] * k] * n_prompt + turn.topk_logprobs
@@ -92,6 +92,20 @@ def build_rows(episodes: list[Episode], per_turn: bool) -> list[Row]:
     return [r for r in rows if any(r.mask)]
 
 
+def mask_truncated_turns(episodes: list[Episode]) -> dict[str, float]:
+    """``train.mask_truncated_completions``: a length-cut turn is not trained (advantage None).
+
+    Call after credit. Returns ``completions/masked_truncated``: the fraction of turns masked.
+    """
+    turns = [t for ep in episodes for t in ep.turns]
+    masked = 0
+    for t in turns:
+        if t.finish_reason == "length" and t.advantage is not None:
+            t.advantage = None
+            masked += 1
+    return {"completions/masked_truncated": masked / len(turns) if turns else 0.0}
+
+
 @dataclass
 class Batch:
     """Right-padded tensors for a list of rows; log-prob-like tensors align with token positions."""
@@ -105,7 +119,18 @@ class Batch:
     topk_logprobs: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> Batch:
-        return Batch(**{k: (v.to(device) if v is not None else None) for k, v in self.__dict__.items()})
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device)
+
+        return Batch(
+            self.input_ids.to(device),
+            self.attention_mask.to(device),
+            self.loss_mask.to(device),
+            self.advantages.to(device),
+            self.behavior_logprobs.to(device),
+            move(self.topk_ids),
+            move(self.topk_logprobs),
+        )
 
 
 def collate(rows: list[Row], pad_id: int) -> Batch:
@@ -121,8 +146,10 @@ def collate(rows: list[Row], pad_id: int) -> Batch:
         advantages=torch.tensor([pad(r.advantages, 0.0) for r in rows], dtype=torch.float32),
         behavior_logprobs=torch.tensor([pad(r.behavior_logprobs, 0.0) for r in rows], dtype=torch.float32),
     )
-    if all(r.topk_ids is not None for r in rows):
-        k = max(len(x) for r in rows for x in r.topk_ids)
-        batch.topk_ids = torch.tensor([pad(r.topk_ids, [0] * k) for r in rows], dtype=torch.long)
-        batch.topk_logprobs = torch.tensor([pad(r.topk_logprobs, [0.0] * k) for r in rows], dtype=torch.float32)
+    ids = [r.topk_ids for r in rows if r.topk_ids is not None]
+    lps = [r.topk_logprobs for r in rows if r.topk_logprobs is not None]
+    if len(ids) == len(lps) == len(rows):  # every row carries the sampler's top-k
+        k = max(len(x) for row in ids for x in row)
+        batch.topk_ids = torch.tensor([pad(row, [0] * k) for row in ids], dtype=torch.long)
+        batch.topk_logprobs = torch.tensor([pad(row, [0.0] * k) for row in lps], dtype=torch.float32)
     return batch

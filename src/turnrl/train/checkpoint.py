@@ -29,8 +29,9 @@ import torch
 import yaml
 
 from turnrl.bounded import load_yaml
-from turnrl.config import RunConfig, resume_conflicts
+from turnrl.config import RunConfig, resume_conflicts, upgrade_saved
 from turnrl.rundir import RunDir, atomic_file, atomic_write_text, open_nofollow, refuse_links, write_failure
+from turnrl.train.summary import Summary
 
 
 class ResumeError(RuntimeError):
@@ -61,8 +62,8 @@ class Checkpoint:
     """
 
     state: RunState = field(default_factory=RunState)
-    summary: dict[str, Any] = field(default_factory=dict)
-    """The evaluations so far (``base``, ``final``): ``progress/summary.json``."""
+    summary: Summary = field(default_factory=Summary)
+    """The run record so far (its identity and evaluations): ``progress/summary.json`` at this point."""
     trainer: dict[str, Any] = field(default_factory=dict)
     """:meth:`Trainer.state_dict` (adapter, optimizer, schedule)."""
     sampler: dict[str, Any] = field(default_factory=dict)
@@ -72,7 +73,8 @@ class Checkpoint:
     """Rows of every progress and rollout file when it was written (:func:`truncate_to` cuts back to them)."""
 
     def to_payload(self) -> dict[str, Any]:
-        return {f.name: asdict(self.state) if f.name == "state" else getattr(self, f.name) for f in fields(self)}
+        plain = {"state": asdict(self.state), "summary": self.summary.to_json()}
+        return {f.name: plain.get(f.name, getattr(self, f.name)) for f in fields(self)}
 
     @classmethod
     def from_payload(cls, payload: Any) -> Checkpoint:
@@ -82,6 +84,7 @@ class Checkpoint:
             raise ValueError(f"not a turnrl checkpoint (needs {', '.join(names)}; has {have})")
         values = {name: payload[name] for name in names}
         values["state"] = RunState(**values["state"])
+        values["summary"] = Summary.from_json(values["summary"], "the checkpoint's summary")
         return cls(**values)
 
 
@@ -169,7 +172,10 @@ def rows_before_iteration(run: RunDir, iteration: int) -> dict[str, int]:
 
 
 def _rng_state() -> dict[str, Any]:
-    name, keys, pos, has_gauss, cached = np.random.get_state()
+    legacy = np.random.get_state(legacy=True)
+    if not isinstance(legacy, tuple):  # numpy's legacy state is (name, keys, pos, has_gauss, cached)
+        raise TypeError(f"numpy.random.get_state(legacy=True) returned {type(legacy).__name__}, not a tuple")
+    name, keys, pos, has_gauss, cached = legacy
     version, internal, gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),
@@ -186,7 +192,7 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: dict[str, Any]) -> None:
+def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: Summary) -> None:
     """Write the resumable state atomically; on failure the previous checkpoint stays and the error says why."""
     from turnrl.train.distributed import is_main
 
@@ -233,7 +239,7 @@ def read_saved_config(run: RunDir) -> dict[str, Any]:
         raise ResumeError(f"{run.config} cannot be read ({exc}); the run directory is damaged") from None
     if not isinstance(data, dict):
         raise ResumeError(f"{run.config} is not a config mapping; the run directory is damaged")
-    return data
+    return upgrade_saved(data)
 
 
 def check_resume_config(run: RunDir, cfg: RunConfig, allow_change: bool) -> None:
@@ -252,15 +258,54 @@ class RunLock:
     when its holder dies, so a lock left by a killed run is taken over silently. The lock
     file opens without following a link and must be a plain file (:func:`open_nofollow`);
     once held, the run directory must hold no link at all (:func:`refuse_links`).
+
+    The lock comes first: whatever decides about the directory (is it fresh? whose is it?) runs
+    while it is held. :attr:`created` says whether this process created the run directory (its
+    ``mkdir`` succeeded), the one thing a failed fresh start may remove. A lock taken on a lock
+    file that was removed meanwhile (its holder cleaned up) is dropped and taken again on the
+    file now at the path.
     """
 
     def __init__(self, run: RunDir) -> None:
         self.path = run.root / ".lock"
-        self._fh = None
+        self.created = False
+        """This process created the run directory (it did not exist before the lock was taken)."""
+        self._fh: Any = None
 
     def __enter__(self) -> RunLock:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = os.fdopen(open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+")  # held for the lock's life
+        root = self.path.parent
+        root.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            root.mkdir()
+            self.created = True
+        except FileExistsError:
+            pass
+        for _ in range(3):
+            self._fh = self._take()
+            if self._same_file():
+                break
+            self._release()
+        else:  # pragma: no cover - the directory was removed and recreated three times while locking
+            raise ResumeError(f"the run directory {root} keeps changing while it is locked; retry")
+        try:
+            refuse_links(root)
+        except BaseException:
+            self.__exit__()
+            raise
+        fh = self._fh
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"pid {os.getpid()}\n")
+        fh.flush()
+        return self
+
+    def _take(self) -> Any:
+        try:
+            fh = os.fdopen(open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+")  # held for the lock's life
+        except FileNotFoundError:  # the directory vanished (its creator cleaned up): ours to create again
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.created = True
+            fh = os.fdopen(open_nofollow(self.path, os.O_RDWR | os.O_CREAT, 0o644), "r+")
         try:
             fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -282,20 +327,22 @@ class RunLock:
             raise ResumeError(
                 f"cannot lock the run directory {self.path.parent} (flock on {self.path}: {exc.strerror}); {hint}"
             ) from None
-        self._fh = fh
-        try:
-            refuse_links(self.path.parent)
-        except BaseException:
-            self.__exit__()
-            raise
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"pid {os.getpid()}\n")
-        fh.flush()
-        return self
+        return fh
 
-    def __exit__(self, *exc: Any) -> None:
+    def _same_file(self) -> bool:
+        """The locked file is still the one at the path (not one its holder removed before we locked it)."""
+        try:
+            now = os.stat(self.path, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(self._fh.fileno())
+        return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
+
+    def _release(self) -> None:
         if self._fh is not None:
             fcntl.flock(self._fh, fcntl.LOCK_UN)
             self._fh.close()
             self._fh = None
+
+    def __exit__(self, *exc: Any) -> None:
+        self._release()

@@ -355,7 +355,8 @@ class DistributedTrainer(LocalTrainer):
 def placeholder_row(like: Row) -> Row:
     """A two-token row with no trained token: its loss, gradient and metric sums are 0."""
     n = min(2, len(like.ids))
-    topk = (like.topk_ids[:n], like.topk_logprobs[:n]) if like.topk_ids is not None else (None, None)
+    ids, lps = like.topk_ids, like.topk_logprobs
+    topk = (ids[:n], lps[:n]) if ids is not None and lps is not None else (None, None)
     return Row(like.ids[:n], [0] * n, [0.0] * n, like.behavior_logprobs[:n], like.turn, "", *topk)
 
 

@@ -2,7 +2,7 @@
 
 Outer iteration n trains a fresh LoRA adapter on the base model with adapters
 0..n−1 merged in, then evaluates on held-out tasks and saves
-``adapters/iter_NNN``. Checkpoints (``train.checkpoint``) make a killed run
+``adapters/iter_NNN``. Checkpoints (every ``train.checkpoint_every`` steps) make a killed run
 resume where it stopped; sampling seeds derive from (seed, step), so a resumed
 CPU run reproduces the uninterrupted one. One step, read aloud:
 
@@ -10,33 +10,39 @@ CPU run reproduces the uninterrupted one. One step, read aloud:
                                               # (N processes: each its share of tasks, then gathered)
     metrics  = assign_credit(episodes)        # one advantage per turn (Turn.advantage)
     rows     = build_rows(episodes)           # token rows with loss masks
-    metrics |= update(trainer, rows)          # forward/backward, optimizer step
+    metrics |= update(trainer, rows)          # forward/backward, optimizer step (num_iterations passes,
+                                              # fewer when approx-KL passes train.target_kl)
+    metrics |= rollout_metrics(episodes)      # lengths, turns, stop/<reason>, episode/<metric>
     sampler.refresh(trainer.policy_weights()) # every sampler.refresh_every steps
+
+The run's record (:class:`~turnrl.train.summary.Summary`) gains each iteration's held-out
+evaluation and is complete when the last one has ended; ``train()`` returns it.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
 
-import numpy as np
 from rich.console import Console
 
 from turnrl.chat import ChatTemplate
 from turnrl.config import RunConfig
 from turnrl.credit import assign_credit, filter_zero_variance
 from turnrl.eval import evaluate
-from turnrl.rollout.collect import collect, mask_truncated_turns
+from turnrl.rollout.collect import collect
 from turnrl.rundir import RunDir
 from turnrl.sampling import Sampler, make_sampler
 from turnrl.tasks import TaskStream
 from turnrl.train import distributed
-from turnrl.train.batch import build_rows
+from turnrl.train.batch import build_rows, mask_truncated_turns
 from turnrl.train.checkpoint import Checkpoint, ResumeError, RunState
+from turnrl.train.diagnostics import rollout_metrics
 from turnrl.train.policy import build_policy, step_seed
-from turnrl.train.run import Run, RunSettings, Start
-from turnrl.train.step import Trainer, update
+from turnrl.train.run import Run, Start
+from turnrl.train.settings import RunSettings
+from turnrl.train.step import Trainer, idle_metrics, update
+from turnrl.train.summary import Summary
 from turnrl.types import Episode, Task
 
 __all__ = ["ResumeError", "collect_batch", "train", "train_step"]
@@ -90,19 +96,6 @@ def _share(settings: RunSettings, n: int) -> range:
     return distributed.task_share(n, distributed.rank(), distributed.launched_world_size())
 
 
-def _rollout_metrics(episodes: list[Episode]) -> dict[str, float]:
-    turns = [t for ep in episodes for t in ep.turns]
-    if not episodes:
-        return {"num_episodes": 0.0}
-    return {
-        "completions/mean_length": float(np.mean([len(t.action_ids) for t in turns])) if turns else 0.0,
-        "completions/clipped_ratio": float(np.mean([t.finish_reason == "length" for t in turns])) if turns else 0.0,
-        "num_turns/mean": float(np.mean([ep.num_turns for ep in episodes])),
-        "success_rate": float(np.mean([ep.success for ep in episodes])),
-        "num_episodes": float(len(episodes)),
-    }
-
-
 def train_step(
     settings: RunSettings,
     trainer: Trainer,
@@ -120,10 +113,10 @@ def train_step(
     rows = build_rows(episodes, per_turn=settings.per_turn_rows)
     if rows:
         metrics.update(update(trainer, rows, settings.step, seed=step_seed(settings.seed, state.step, salt=17)))
-    else:  # every group had zero variance: nothing to learn from this batch
-        metrics.update({"loss": 0.0, "grad_norm": 0.0, "num_tokens": 0.0})
+    else:  # every group dropped or every turn masked: nothing to learn; the same columns, at 0
+        metrics.update(idle_metrics(settings.step))
     t2 = time.perf_counter()
-    metrics.update(_rollout_metrics(episodes))
+    metrics.update(rollout_metrics(episodes))  # lengths, turns, success, stop/<reason>, episode/<metric>
     metrics.update(
         {
             "policy_version": float(sampler.policy_version),
@@ -162,7 +155,7 @@ def build_iteration(run: Run, state: RunState, ckpt: Checkpoint | None) -> Polic
         trainer.load_state_dict(ckpt.trainer)
         sampler.load_state_dict(ckpt.sampler)
     eval_sampler = make_sampler(s.sampler, model, tokenizer, stale=False)
-    chat = ChatTemplate(tokenizer, dict(s.chat_template_kwargs), exclude_think=s.exclude_think)
+    chat = s.chat.template(tokenizer)
     return Policy(trainer, sampler, eval_sampler, chat)
 
 
@@ -181,16 +174,15 @@ def train(
     start_iter: int | None = None,
     allow_config_change: bool = False,
     console: Console | None = None,
-) -> dict[str, Any]:
-    """Run (or resume) training; returns the base and final evaluation metrics."""
+) -> Summary:
+    """Run (or resume) training; returns the run record (the base and each iteration's evaluation)."""
     distributed.setup()  # several processes: join the launcher's process group; rank 0 checks and writes
     run = Run(cfg, console)
-    start = run.prepare(resume, start_iter, allow_config_change)
-    with run.opened(start):
+    with run.opened(resume, start_iter, allow_config_change) as start:  # the lock first, then where to start
         return _run(run, start)
 
 
-def _run(run: Run, start: Start) -> dict[str, Any]:
+def _run(run: Run, start: Start) -> Summary:
     s = run.settings
     state, summary, ckpt = start.state, start.summary, start.checkpoint
     chat = None
@@ -200,8 +192,8 @@ def _run(run: Run, start: Start) -> dict[str, Any]:
         chat, ckpt = policy.chat, None
 
         # the base model's held-out evaluation, once, before any training
-        if state.step == 0 and s.eval.before and "base" not in summary:
-            summary["base"] = evaluate_and_log(run, policy, state, "base")
+        if state.step == 0 and s.eval.before and summary.base is None:
+            summary.base = evaluate_and_log(run, policy, state, "base")
             run.write_summary(summary)
             run.save(policy.trainer, policy.sampler, state, summary)
 
@@ -219,9 +211,10 @@ def _run(run: Run, start: Start) -> dict[str, Any]:
 
         # end of iteration: the adapter, the evaluation, the checkpoint that moves to the next iteration
         policy.trainer.save_adapter(run.dir.adapter(state.iteration))
-        final = state.iteration == s.iterations - 1
-        summary["final"] = evaluate_and_log(run, policy, state, "final" if final else "iter")
-        run.log_iteration(state, summary["final"])
+        last = state.iteration == s.iterations - 1
+        held_out = evaluate_and_log(run, policy, state, "final" if last else "iter")
+        summary.end_iteration(state.iteration, held_out, last)  # complete once the last one has ended
+        run.log_iteration(state, held_out)
         run.write_summary(summary)
         state.iteration += 1
         state.iteration_step = 0

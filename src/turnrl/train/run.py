@@ -1,10 +1,6 @@
-"""The run object: every side effect of one training run, and the settings every stage is given.
+"""The run object: every side effect of one training run.
 
-:class:`RunSettings` resolves the config once into each stage's own frozen settings
-(:class:`~turnrl.rollout.collect.RolloutSettings`, :class:`~turnrl.sampling.SamplerSettings`,
-:class:`~turnrl.credit.CreditSettings`, :class:`~turnrl.train.step.StepSettings` with its
-:class:`~turnrl.losses.LossPlan`, :class:`~turnrl.eval.EvalSettings`,
-:class:`~turnrl.train.policy.PolicySettings`); below this module no function takes the config.
+Its settings are :class:`~turnrl.train.settings.RunSettings`, resolved once from the config.
 
 :class:`Run` owns what a run does to the outside world: the run directory and its lock,
 the checks before anything is written (:meth:`Run.prepare`), the typed
@@ -16,11 +12,9 @@ processes only rank 0 writes: every writing method is behind the one guard :func
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import json
 import shutil
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,14 +22,10 @@ from typing import Any, TypeVar
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from turnrl.config import RunConfig, dump_config
-from turnrl.credit import CreditSettings
+from turnrl.config import RunConfig, dump_config, resume_conflicts
 from turnrl.envs import make_env
-from turnrl.envs.splits import TaskSource
-from turnrl.eval import EvalSettings, comparison_table
-from turnrl.rollout.collect import RolloutSettings
+from turnrl.eval import comparison_table
 from turnrl.rundir import RunDir, atomic_write_text, pull_run, push_run, write_jsonl
-from turnrl.sampling import SamplerSettings, get_sampler
 from turnrl.tracking import MultiSink, make_plots, make_sinks, write_report
 from turnrl.train import distributed
 from turnrl.train.checkpoint import (
@@ -46,79 +36,18 @@ from turnrl.train.checkpoint import (
     check_resume_config,
     cut_back,
     load_checkpoint,
+    read_saved_config,
     record_iteration_rows,
     restore_rng,
     rows_before_iteration,
     save_checkpoint,
     truncate_to,
 )
-from turnrl.train.policy import PolicySettings
-from turnrl.train.step import StepSettings
+from turnrl.train.settings import RunSettings
+from turnrl.train.summary import Summary, SummaryError, new_run_id, read_summary
 from turnrl.types import Episode, Task
 
 F = TypeVar("F", bound=Callable[..., Any])
-
-
-@dataclass(frozen=True)
-class RunSettings:
-    """Every stage's settings, resolved once from the run config, plus the loop's own."""
-
-    seed: int
-    rollout: RolloutSettings
-    sampler: SamplerSettings
-    credit: CreditSettings
-    step: StepSettings
-    eval: EvalSettings
-    policy: PolicySettings
-    iterations: int = 1
-    steps_per_iteration: int = 1
-    max_seconds: float | None = None
-    checkpoint_every: int = 1
-    mask_truncated_completions: bool = False
-    per_turn_rows: bool = False
-    chat_template_kwargs: Mapping[str, Any] = field(default_factory=dict)
-    exclude_think: bool = False
-    shard_collection: bool = False
-    """Each process collects its share of a step's tasks (:func:`distributed.shards_collection`)."""
-
-    @classmethod
-    def from_config(cls, cfg: RunConfig) -> RunSettings:
-        shard = distributed.shards_collection(get_sampler(cfg.sampler.backend).shares_weights)
-        rollout = RolloutSettings.from_config(cfg)
-        if cfg.rollout.task_seeds is None:  # sharded collection needs them; one process keeps per-call seeds
-            rollout = dataclasses.replace(rollout, task_seeds=shard)
-        return cls(
-            seed=cfg.seed,
-            rollout=rollout,
-            sampler=SamplerSettings.from_config(cfg.sampler),
-            credit=CreditSettings.from_config(cfg.credit),
-            step=StepSettings.from_config(cfg),
-            eval=EvalSettings.from_config(cfg),
-            policy=PolicySettings.from_config(cfg),
-            iterations=cfg.loop.iterations,
-            steps_per_iteration=cfg.loop.steps_per_iteration or cfg.train.steps,
-            max_seconds=cfg.train.max_seconds,
-            checkpoint_every=cfg.train.checkpoint_every,
-            mask_truncated_completions=cfg.train.mask_truncated_completions,
-            per_turn_rows=cfg.per_turn_rows,
-            chat_template_kwargs=dict(cfg.model.chat_template_kwargs),
-            exclude_think=cfg.credit.exclude_think,
-            shard_collection=shard,
-        )
-
-    def out_of_time(self, state: RunState) -> bool:
-        """``train.max_seconds`` is spent."""
-        return self.max_seconds is not None and state.train_seconds >= self.max_seconds
-
-    def last_step(self, state: RunState) -> bool:
-        """The iteration's steps are done (or the time is spent): its end saves and evaluates anyway."""
-        return state.iteration_step >= self.steps_per_iteration or self.out_of_time(state)
-
-    def eval_due(self, state: RunState) -> bool:
-        return bool(self.eval.every) and state.step % self.eval.every == 0 and not self.last_step(state)
-
-    def checkpoint_due(self, state: RunState) -> bool:
-        return state.step % self.checkpoint_every == 0 and not self.last_step(state)
 
 
 @dataclass
@@ -126,7 +55,8 @@ class Start:
     """Where a run starts: fresh, resumed from a checkpoint, or restarted at an iteration."""
 
     state: RunState = field(default_factory=RunState)
-    summary: dict[str, Any] = field(default_factory=dict)
+    summary: Summary = field(default_factory=Summary)
+    """The run record to continue (a fresh start: a new identity, no evaluation yet)."""
     checkpoint: Checkpoint | None = None
     """The checkpoint resumed from (its trainer and sampler state are loaded mid-iteration)."""
     start_iter: int | None = None
@@ -156,7 +86,6 @@ class Run:
         """This process writes the run directory (rank 0, or the only process)."""
         self.console = (console or Console()) if self.writer else Console(quiet=True)
         self.sink = MultiSink([])
-        self._tasks = TaskSource.from_config(cfg)
         self.train_tasks: list[Task] = []
         self.eval_tasks: list[Task] = []
 
@@ -168,51 +97,45 @@ class Run:
     # ---- before anything is written ----------------------------------------------------
 
     def prepare(self, resume: bool, start_iter: int | None, allow_config_change: bool) -> Start:
-        """Check that the run can start (rank 0 decides, every rank gets its answer), load the tasks
-        (bad task input and bad environment options fail here), and say where the run starts."""
+        """Say where the run starts (rank 0 decides, under the lock, and every rank gets its answer), and
+        load the tasks (bad task input and bad environment options fail here)."""
         if start_iter is not None and start_iter < 0:
             raise ResumeError(f"--start-iter must be >= 0 (got {start_iter})")
-        ckpt = distributed.on_main(_prepare, self.cfg, self.dir, resume, start_iter, allow_config_change, self.console)
+        args = (self.cfg, self.settings, self.dir, resume, start_iter, allow_config_change, self.console)
+        start: Start = distributed.on_main(_prepare, *args)
         self.train_tasks, self.eval_tasks = self.tasks("train"), self.tasks("eval")
         make_env(self.train_tasks[0], **self.settings.rollout.env_options)
-        continued = resume or start_iter is not None
-        if start_iter is not None:  # restart at iteration N on the saved adapters 0..N-1
-            steps = start_iter * self.settings.steps_per_iteration
-            state = RunState(step=steps, iteration=start_iter, cursor=steps * self.settings.rollout.tasks_per_step)
-            return Start(state, self._summary_before(start_iter), None, start_iter, continued)
-        if ckpt is not None:
-            return Start(ckpt.state, dict(ckpt.summary), ckpt, None, continued)
-        return Start(continued=continued)
+        return start
 
     def tasks(self, split: str) -> list[Task]:
-        return self._tasks.tasks(split)
-
-    def _summary_before(self, start_iter: int) -> dict[str, Any]:
-        path = self.dir.summary
-        return json.loads(path.read_text()) if path.exists() and start_iter > 0 else {}
+        return self.settings.tasks.tasks(split)
 
     @contextlib.contextmanager
-    def opened(self, start: Start) -> Iterator[Run]:
-        """Hold the run directory for the run: lock it, cut its files back to the starting point,
-        write the config, open the sinks; close them at the end. A fresh start that fails before
-        any resumable state was written leaves nothing behind."""
-        fresh = not self.dir.root.exists()
-        try:
-            with RunLock(self.dir) if self.writer else contextlib.nullcontext():
+    def opened(self, resume: bool, start_iter: int | None, allow_config_change: bool) -> Iterator[Start]:
+        """Hold the run directory for the run, and yield where it starts. Lock it first, then inspect it:
+        decide the start (:meth:`prepare`), cut the files back to it, write the config and the run record,
+        open the sinks; close them at the end. A fresh start that fails before any resumable state was
+        written removes the directory only if this process created it (a trainer the lock refuses
+        removes nothing: the directory is the lock holder's)."""
+        _check_paths(self.dir)
+        with RunLock(self.dir) if self.writer else contextlib.nullcontext() as lock:
+            try:
+                start = self.prepare(resume, start_iter, allow_config_change)
                 self._cut_back(start)
                 self._write_config()
+                self.write_summary(start.summary)
                 distributed.barrier()
                 if start.checkpoint is not None:
                     restore_rng(start.checkpoint.rng)
                 self._open_sinks(start)
                 try:
-                    yield self
+                    yield start
                 finally:
                     self.sink.close()
-        except BaseException:
-            if self.writer and fresh and not self.dir.checkpoint.exists():
-                shutil.rmtree(self.dir.root, ignore_errors=True)
-            raise
+            except BaseException:
+                if lock is not None and lock.created and not self.dir.checkpoint.exists():
+                    shutil.rmtree(self.dir.root, ignore_errors=True)  # ours alone: created, and locked since
+                raise
 
     @rank0_only
     def _cut_back(self, start: Start) -> None:
@@ -244,13 +167,13 @@ class Run:
 
     # ---- during the run ------------------------------------------------------------------
 
-    def save(self, trainer: Any, sampler: Any, state: RunState, summary: dict[str, Any]) -> None:
+    def save(self, trainer: Any, sampler: Any, state: RunState, summary: Summary) -> None:
         """The checkpoint (rank 0 writes it: :func:`save_checkpoint` has the same guard)."""
         save_checkpoint(self.dir, trainer, sampler, state, summary)
 
     @rank0_only
-    def write_summary(self, summary: dict[str, Any]) -> None:
-        atomic_write_text(self.dir.summary, json.dumps(summary, indent=2))
+    def write_summary(self, summary: Summary) -> None:
+        summary.write(self.dir)
 
     def log_step(self, state: RunState, episodes: list[Episode], metrics: dict[str, float]) -> None:
         for ep in episodes:
@@ -304,17 +227,20 @@ class Run:
 
     # ---- after the run --------------------------------------------------------------------
 
-    def finish(self, summary: dict[str, Any], tokenizer: Any) -> dict[str, Any]:
-        """Close the sinks, then the comparison table, plots and report (rank 0); returns the summary."""
+    def finish(self, summary: Summary, tokenizer: Any) -> Summary:
+        """Write the (complete) run record, close the sinks, then the comparison table, plots and report
+        (rank 0); returns the record."""
+        summary.complete = True
+        self.write_summary(summary)
         sink, self.sink = self.sink, MultiSink([])
         sink.close()
         self._report(summary, tokenizer)
         return summary
 
     @rank0_only
-    def _report(self, summary: dict[str, Any], tokenizer: Any) -> None:
-        if "base" in summary and "final" in summary:
-            rows = {"base": summary["base"], "trained": summary["final"]}
+    def _report(self, summary: Summary, tokenizer: Any) -> None:
+        if summary.base is not None and summary.final is not None:
+            rows = {"base": summary.base, "trained": summary.final}
             self.console.print(comparison_table(rows, "held-out: base vs trained"))
         if self.cfg.tracking.plots:
             make_plots(self.dir.root)
@@ -323,24 +249,89 @@ class Run:
         self.console.print(f"run directory: {self.dir.root}")
 
 
-def _prepare(
-    cfg: RunConfig, run: RunDir, resume: bool, start_iter: int | None, allow_config_change: bool, console
-) -> Checkpoint | None:
-    """Checks before anything is written; returns the checkpoint to resume from (or None)."""
+def _check_paths(run: RunDir) -> None:
+    """Refuse an output directory or run directory that is a file (before anything is created)."""
     out = run.root.parent
     if out.exists() and not out.is_dir():
         raise ResumeError(f"paths.output_dir {out} is a file, not a directory; set paths.output_dir to a directory")
     if run.root.exists() and not run.root.is_dir():
         raise ResumeError(f"{run.root} exists and is not a directory; choose another --run-name or paths.output_dir")
+
+
+def _prepare(
+    cfg: RunConfig,
+    settings: RunSettings,
+    run: RunDir,
+    resume: bool,
+    start_iter: int | None,
+    allow_config_change: bool,
+    console: Console,
+) -> Start:
+    """The checks before anything is written (the run lock is held): where the run starts."""
     if resume:
         if pull_run(cfg.paths.sync_to, run):  # runs on rank 0 only (distributed.on_main)
             console.print(f"pulled {run.root} from {cfg.paths.sync_to}")
         if not run.config.exists():
             raise ResumeError(f"nothing to resume: {run.config} does not exist")
         check_resume_config(run, cfg, allow_config_change)
-        return load_checkpoint(run)
+        ckpt = load_checkpoint(run)
+        if ckpt is None:  # killed before its first checkpoint: a clean start, under the run's own identity
+            return Start(summary=Summary(_run_id(run) or new_run_id()), continued=True)
+        check_same_run(run, ckpt)
+        _check_request(run, cfg, settings, ckpt.state)
+        ckpt.summary.complete = ckpt.state.iteration >= settings.iterations
+        return Start(ckpt.state, ckpt.summary, ckpt, None, continued=True)
     if start_iter is not None and run.config.exists():
         check_resume_config(run, cfg, allow_config_change)
     elif run.checkpoint.exists():
         raise ResumeError(f"{run.root} already holds a run; pass --resume to continue it or choose another --run-name")
-    return None
+    if start_iter is not None:  # restart at iteration N on the saved adapters 0..N-1
+        steps = start_iter * settings.steps_per_iteration
+        state = RunState(step=steps, iteration=start_iter, cursor=steps * settings.rollout.tasks_per_step)
+        record = _saved_summary(run) or Summary(new_run_id())
+        return Start(state, record.before(start_iter), None, start_iter, continued=True)
+    return Start(summary=Summary(new_run_id()))
+
+
+def _saved_summary(run: RunDir) -> Summary | None:
+    """The run's record, or None when it has none or it is damaged (the starting point rewrites it)."""
+    try:
+        return read_summary(run)
+    except SummaryError:
+        return None
+
+
+def _run_id(run: RunDir) -> str:
+    saved = _saved_summary(run)
+    return saved.run_id if saved else ""
+
+
+def check_same_run(run: RunDir, ckpt: Checkpoint) -> None:
+    """A checkpoint copied in from another run is refused: its identity must be this run's (the one
+    ``progress/summary.json`` holds since the run directory was created)."""
+    mine, theirs = _run_id(run), ckpt.summary.run_id
+    if mine and theirs and mine != theirs:
+        raise ResumeError(
+            f"{run.checkpoint} belongs to run {theirs}, not to this run ({mine}, {run.summary}): it was copied"
+            " from another run directory. Restore this run's own checkpoint, or resume the run it came from"
+        )
+
+
+def _check_request(run: RunDir, cfg: RunConfig, settings: RunSettings, state: RunState) -> None:
+    """A resumed config (changed under ``--allow-config-change``) that the run cannot follow is refused in
+    one line rather than dropped: steps taken cannot be taken back, and an iteration that has ended (its
+    adapter, evaluation and learning-rate schedule written) takes no more steps."""
+    if state.iteration_step > settings.steps_per_iteration:
+        raise ResumeError(
+            f"{run.checkpoint} is at step {state.iteration_step} of iteration {state.iteration}, past the"
+            f" {settings.steps_per_iteration} steps per iteration the config asks for; steps taken cannot be"
+            f" taken back: restart the iteration (--start-iter {state.iteration}) or start a new run (--run-name)"
+        )
+    if state.iteration_step == 0 and state.iteration >= settings.iterations:  # no step left to train
+        changed = resume_conflicts(read_saved_config(run), cfg)
+        if changed:
+            raise ResumeError(
+                f"{run.root} has finished its {state.iteration} iteration(s) ({state.step} steps): a changed"
+                f" {', '.join(changed)} would apply to no step. To train on top of it, add an iteration"
+                f" (--set loop.iterations={state.iteration + 1}); otherwise start a new run (another --run-name)"
+            )

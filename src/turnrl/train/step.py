@@ -44,6 +44,8 @@ class StepSettings:
     shared_prefix: bool = True
     max_pack_tokens: int = 8192
     num_iterations: int = 1
+    target_kl: float | None = None
+    """Stop a step's passes once approx-KL exceeds this (:func:`update`)."""
     decompose_turns: bool = False
     logprob_chunk: int = 256
     lr_scheduler: str = "constant"
@@ -67,6 +69,7 @@ class StepSettings:
             shared_prefix=t.shared_prefix,
             max_pack_tokens=t.max_pack_tokens,
             num_iterations=t.num_iterations,
+            target_kl=t.target_kl,
             decompose_turns=t.decompose_turns,
             logprob_chunk=t.logprob_chunk,
             lr_scheduler=t.lr_scheduler,
@@ -155,10 +158,11 @@ def accumulate_gradients(
         spec = loss_plan.spec
         if spec.num_aux is not None:
             params = loss_plan.params
-            if batch.topk_ids is None:
+            if batch.topk_ids is None or batch.topk_logprobs is None:
                 raise ValueError(f"loss.type {loss_plan.type} needs the sampler's top-k log-probs on every row")
+            top_k = spec.aux_top_k(params) if spec.aux_top_k is not None else None
             aux_ids = losses.sample_aux_tokens(
-                batch.topk_ids, batch.topk_logprobs, spec.num_aux(params), generator, top_k=spec.aux_top_k(params)
+                batch.topk_ids, batch.topk_logprobs, spec.num_aux(params), generator, top_k=top_k
             )
         logp, aux_logp = logprobs(model, batch, chunk, temperature, aux_ids)
         ref_logp = None
@@ -212,6 +216,10 @@ class Trainer(Protocol):
 
     def optim_step(self) -> float:
         """Clip, apply and clear the accumulated gradients; return the gradient norm before clipping."""
+        ...
+
+    def zero_grad(self) -> None:
+        """Clear the accumulated gradients without applying them (a pass stopped by ``train.target_kl``)."""
         ...
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
@@ -278,6 +286,9 @@ class LocalTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         return float(grad_norm)
 
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
     def policy_weights(self) -> dict[str, torch.Tensor]:
         return {n: p.detach() for n, p in self.model.named_parameters() if p.requires_grad}
 
@@ -309,15 +320,40 @@ def update(trainer: Trainer, rows: list[Row], settings: StepSettings, seed: int 
 
     With several passes, the first pass's log-probs are the old policy's for the later ones.
     ``seed`` seeds the batch's auxiliary-token draws (centered loss). The metrics are the last
-    pass's (so ``approx_kl`` is KL(π_old ‖ π) after ``num_iterations − 1`` updates; 0 for one pass).
+    pass's (so ``approx_kl`` is KL(π_old ‖ π) after the updates before it; 0 for one pass), with
+    ``grad_norm`` of the last optimizer step and ``passes`` the optimizer steps taken.
+
+    ``train.target_kl`` (KL*): pass k measures approx_kl of the policy after k − 1 updates; when it
+    exceeds KL* that pass's gradient is dropped and the step ends (``passes`` = k − 1), as
+    Stable-Baselines3's PPO stops its epochs. Pass 1 measures 0, so one pass always runs.
     """
     totals = StepTotals.of(rows, settings.max_tokens_per_turn)
     trainer.begin_batch(seed)
     metrics: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    grad_norm, passes = 0.0, 0
     for _ in range(settings.num_iterations):
         sums = trainer.forward_backward(rows, totals)
-        grad_norm = trainer.optim_step()
         metrics = losses.finalize_metrics(sums, exclude=("loss",))
-        metrics.update(loss=sums["loss"], grad_norm=grad_norm, num_tokens=sums["trained_tokens"])
+        if settings.target_kl is not None and metrics["approx_kl"] > settings.target_kl:
+            trainer.zero_grad()  # drifted past the target: this pass is not applied
+            break
+        grad_norm = trainer.optim_step()
+        passes += 1
+    metrics.update(loss=sums["loss"], grad_norm=grad_norm, num_tokens=sums["trained_tokens"], passes=float(passes))
     metrics["lr"] = trainer.last_lr
+    return metrics
+
+
+def idle_metrics(settings: StepSettings) -> dict[str, float]:
+    """The metrics of a step with no row to train (every group dropped, every turn masked): the keys
+    :func:`update` reports for this run's loss, at 0 (the loss over zero tokens), so such a step's row
+    has the same columns as every other step's."""
+    plan = settings.loss
+    none = torch.zeros(1, 0)
+    aux = torch.zeros(1, 0, 1) if plan.spec.num_aux is not None else None
+    ref = none if plan.beta > 0 else None
+    _, sums = losses.per_token_loss(plan, none, none, none, torch.zeros(1), none, aux_logp=aux, ref_logp=ref)
+    metrics = losses.finalize_metrics({k: float(v) for k, v in sums.items()})
+    metrics.update(loss=0.0, grad_norm=0.0, num_tokens=0.0, passes=0.0)
     return metrics

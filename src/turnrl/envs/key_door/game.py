@@ -40,7 +40,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
-from turnrl.envs.base import SplitName, StopReason, Task, check_split
+from turnrl.envs.base import SplitName, StopReason, Task, check_split, echo
 
 ENV_NAME = "key_door"
 """The registry name of the chat environment (tasks carry it)."""
@@ -49,6 +49,8 @@ DEFAULT_NUM_COLORS = 3
 DEFAULT_HORIZON = 8
 EVAL_FRACTION = 0.25
 SUCCESS_REWARD = 1.0
+COLOR_ECHO = 40
+"""The most characters of an unknown colour the observation quotes back (colour names are short)."""
 
 VERBS = ("inspect", "pickup", "open", "finish")
 
@@ -266,7 +268,7 @@ class KeyDoorGame:
             return Outcome(f"Which colour? {self.action_help()}", invalid=True)
         if color not in self.colors:
             thing = "key" if verb == "pickup" else "door"
-            return Outcome(f"There is no {color} {thing} here. Colours: {', '.join(self.colors)}.")
+            return Outcome(f"There is no {echo(color, COLOR_ECHO)} {thing} here. Colours: {', '.join(self.colors)}.")
         if verb == "pickup":
             if self.held == color:
                 return Outcome(f"You already hold the {color} key.")
