@@ -787,3 +787,60 @@ def test_number_guess_credit_specs_resolve_to_their_measured_design(name, tmp_pa
         assert all(r.config.train.lr == 3.0e-4 and r.config.model.name == "embedded" for r in runs)
     else:  # from the main job's exported output (its comment says how to make it)
         assert all(r.config.model.name == "models/number_guess_formatted" for r in runs)
+
+
+# ----------------------------------------------------------------------------- names that become paths (issue 33)
+
+
+@pytest.mark.parametrize("stem", ["..", ".", ".hidden", "-rf", "a b", "x\x01y", "café", "a" * 201])
+def test_a_spec_files_stem_is_checked_like_any_name(tmp_path, stem):
+    """Without ``name:``, the spec file's stem names the experiment's directory: it is held to the rule every
+    other name is (``turnrl.bounded.path_component``), so ``...yaml`` cannot send ``--fresh`` to ``out/..``."""
+    from typer.testing import CliRunner
+
+    from turnrl.cli import app
+
+    spec = _write_spec(tmp_path).rename(tmp_path / f"{stem}.yaml")
+    victim = tmp_path / "a" / "seed0"  # where out/../a/seed0 lands
+    victim.mkdir(parents=True)
+    (victim / "keep.txt").write_text("x")
+    result = CliRunner().invoke(app, ["experiment", str(spec), "--output-dir", str(tmp_path / "out"), "--fresh"])
+    said = " ".join(result.output.split())
+    assert result.exit_code == 2 and "cannot be a directory name" in said and "set 'name'" in said, result.output
+    assert "Traceback" not in result.output and (victim / "keep.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize("where", ["run", "experiment"])
+def test_fresh_deletes_nothing_a_link_points_out_of_the_output_directory(tmp_path, where):
+    spec_path = _write_spec(tmp_path)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("x")
+    out = tmp_path / "runs"
+    if where == "run":  # runs/exp/a/seed0 -> victim
+        (out / "exp" / "a").mkdir(parents=True)
+        (out / "exp" / "a" / "seed0").symlink_to(victim)
+    else:  # runs/exp -> victim (victim/a/seed0 would be deleted)
+        out.mkdir()
+        (victim / "a" / "seed0").mkdir(parents=True)
+        (victim / "a" / "seed0" / "keep.txt").write_text("x")
+        (out / "exp").symlink_to(victim)
+
+    def refuse(cfg, console=None):
+        raise AssertionError("nothing is trained")
+
+    from turnrl.rundir import RunDirError
+
+    with pytest.raises(RunDirError, match="outside"):
+        run_experiment(load_spec(spec_path), refuse, output_root=out, out=io.StringIO(), fresh=True)
+    assert (victim / "keep.txt").read_text() == "x"
+    assert where == "run" or (victim / "a" / "seed0" / "keep.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize("name", [".", "..", "...", "a/b", "/abs", "a\\b", "a\x00b", "a\nb", "", " a", "-a", "ü"])
+def test_path_component_refuses_every_name_that_is_not_one_plain_component(name):
+    from turnrl.bounded import path_component
+
+    with pytest.raises(ValueError, match="cannot be a directory name"):
+        path_component(name, "the name")
+    assert path_component("seed0.v2-b_x", "the name") == "seed0.v2-b_x"

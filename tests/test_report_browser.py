@@ -232,3 +232,82 @@ def test_deep_link_opens_episode(browser, tmp_path):
     page.goto(path.resolve().as_uri() + "#ep=flat-s2-1")
     assert page.locator("#detail .tok[data-adv]").count() == 3 * 4
     assert page.locator(".ep.sel").get_attribute("data-episode-id") == "flat-s2-1"
+
+
+# ----------------------------------------------------------------------------- a hostile run directory
+
+PAYLOADS = [
+    '<img src=x onerror="window.__ran=(window.__ran||0)+1;alert(1)">',
+    '"><svg onload="window.__ran=(window.__ran||0)+1">',
+    '\'><body onpageshow="window.__ran=1">',
+    "</script><script>window.__ran=1</script>",
+    '<details open ontoggle="window.__ran=1">',
+    '<iframe srcdoc="<script>parent.__ran=1</script>"></iframe>',
+]
+
+
+def _hostile_run(tmp_path: Path) -> Path:
+    """A run directory someone sent you: every string field of its records holds markup, and one line
+    types a turn index as markup (the reader refuses that record; the rest are shown)."""
+    import json
+
+    from turnrl.rundir import write_jsonl
+
+    run = build_run(tmp_path / "run")
+    episodes = []
+    for n, payload in enumerate(PAYLOADS):
+        ep = provenance_episode(f"h{n}-{payload}")
+        ep.task_id, ep.group_id, ep.prompt = payload, f"g{n}{payload}", payload
+        ep.metrics = {"step": 1, payload: 1.0}
+        for turn in ep.turns:
+            turn.action_text, turn.observation, turn.finish_reason = payload, payload, payload
+            turn.state_key = payload
+        episodes.append(ep)
+    write_jsonl(run / "rollouts" / "iter_005.jsonl", episodes)
+    typed_away = provenance_episode("index-as-markup").to_dict()
+    typed_away["turns"][0]["index"] = PAYLOADS[0]
+    with (run / "rollouts" / "iter_005.jsonl").open("a") as fh:
+        fh.write(json.dumps(typed_away) + "\n")
+    config = (run / "config.yaml").read_text().replace("run_name: demo", f"run_name: {json.dumps(PAYLOADS[0])}")
+    (run / "config.yaml").write_text(config)
+    return run
+
+
+@pytest.mark.parametrize("tokenized", [True, False], ids=["tokens", "text"])
+def test_a_hostile_run_directorys_report_is_inert(browser, tmp_path, tokenized):
+    path = write_report(_hostile_run(tmp_path), tokenizer=WordTokenizer() if tokenized else None)
+    view = Page(browser, path)
+    page = view.page
+    page.select_option("#f-source", "iter_005")
+    ids = page.eval_on_selector_all(".ep[data-episode-id]", "els => els.map(e => e.dataset.episodeId)")
+    assert sorted(ids) == sorted(f"h{n}-{p}" for n, p in enumerate(PAYLOADS))  # the typed-away record is not shown
+    for n in range(len(PAYLOADS)):
+        page.locator(".ep[data-episode-id]").nth(n).click()
+        detail = page.inner_text("#detail")
+        assert PAYLOADS[n] in detail  # shown as text, whole
+    page.evaluate("document.querySelectorAll('details').forEach(d => d.open = true)")
+    assert page.evaluate("window.__ran === undefined")
+    assert page.locator("#detail img, #detail svg, #detail iframe, #list img, #list svg").count() == 0
+    assert PAYLOADS[0] in page.title()
+    view.check_clean()  # no alert, no request (the img's src=x was never fetched), no error
+
+
+def test_the_policy_stops_an_event_handler_that_reached_the_markup(browser, tmp_path):
+    """Defence in depth: were a field ever interpolated unescaped, the page's CSP (the one script's
+    hash, no 'unsafe-inline') still refuses its inline handler, while the report's own script runs."""
+    path = write_report(build_run(tmp_path / "run"))
+    planted = path.read_text().replace(
+        "<body>",
+        '<body><img id="planted" src="data:," onerror="window.__ran=1"><div onclick="window.__ran=1"></div>',
+        1,
+    )
+    assert planted != path.read_text()
+    path.write_text(planted)
+    view = Page(browser, path)
+    page = view.page
+    page.click("#planted", force=True)
+    page.locator("[onclick]").first.dispatch_event("click")
+    assert page.evaluate("window.__ran === undefined")
+    assert page.locator("#list .ep").count() > 0  # the report's own (hashed) script ran
+    assert view.dialogs == [] and view.external == []
+    assert any("inline event handler" in e or "Content Security Policy" in e for e in view.errors), view.errors

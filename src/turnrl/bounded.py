@@ -12,10 +12,13 @@ task line) is read here or measured here before anything expands it:
   ``max_depth`` — for free-form fields (``model.chat_template_kwargs``, ``env.options``).
 * :func:`short_repr` is the repr every error message uses for a value it did not make: at most
   :data:`REPR_CHARS` characters whatever the value holds.
+* :func:`path_component` is the one check of a name a path is built from (run, arm and experiment
+  names; a spec file's stem): :data:`NAME_PATTERN`, so never ``..``, a separator or a control character.
 """
 
 from __future__ import annotations
 
+import re
 import reprlib
 from typing import Any
 
@@ -229,6 +232,23 @@ def load_yaml(text: str | bytes, max_bytes: int = MAX_YAML_BYTES) -> Any:
         loader.dispose()
 
 
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+"""A name that becomes one path component: letters, digits, ``_ . -``, starting with a letter or digit
+(so never ``.``, ``..``, a hidden name, a separator or a control character)."""
+
+
+def path_component(name: str, what: str) -> str:
+    """``name`` if it is safe as one directory name (:data:`NAME_PATTERN`, at most 200 characters), else
+    ``ValueError`` naming ``what`` (where the name came from) and the fix. Every name that a path is built
+    from and that did not come from this program goes through here."""
+    if not isinstance(name, str) or len(name) > 200 or not re.fullmatch(NAME_PATTERN, name):
+        raise ValueError(
+            f"{what} {short_repr(name)} cannot be a directory name: use letters, digits, '_', '.' and '-',"
+            " starting with a letter or digit (at most 200 characters)"
+        )
+    return name
+
+
 __all__ = [
     "FREE_FORM_NODES",
     "MAX_DEPTH",
@@ -241,4 +261,6 @@ __all__ = [
     "load_yaml",
     "yaml_problem",
     "short_repr",
+    "NAME_PATTERN",
+    "path_component",
 ]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from turnrl.config import load_run_config
 from turnrl.models import DTYPES, load_model, merge_adapters
-from turnrl.rundir import RunDir
+from turnrl.rundir import RunDir, contained, refuse_links
 
 
 def _adapters(run: RunDir, iteration: int) -> list[Path]:
@@ -68,8 +68,11 @@ def export(run_dir: str | Path, iteration: int, out: str | Path, *, adapter_only
                 " the merged model (or export --iteration 0)"
             )
 
+        source = contained(dirs[0], run.root, "the adapter")  # a link planted in the run is not followed out
+        refuse_links(source)
+
         def build_adapter(tmp: Path) -> None:
-            shutil.copytree(dirs[0], tmp, dirs_exist_ok=True)
+            shutil.copytree(source, tmp, dirs_exist_ok=True, symlinks=True)
             (tmp / "turnrl_export.json").write_text(json.dumps({**info, "kind": "adapter"}, indent=2))
 
         return _into_place(out, build_adapter)

@@ -148,12 +148,17 @@ class RunDir:
 # ----------------------------------------------------------------------------- safe opens
 
 
+MAX_LINE_BYTES = 64 * 2**20
+"""The longest rollout line :func:`iter_episodes` reads (a 32k-token context over 16 turns is ~4 MB)."""
+
+
 class RunDirError(OSError):
     """A run directory holds something a trainer must not write through (a link, a non-regular file)."""
 
 
-def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
-    """``os.open`` that refuses a symbolic link as the last component (``O_NOFOLLOW``) and a non-regular file."""
+def open_nofollow(path: str | Path, flags: int, mode: int = 0o666, *, own: bool = True) -> int:
+    """``os.open`` that refuses a symbolic link as the last component (``O_NOFOLLOW``) and a non-regular file
+    (and, ``own``: a file with other names, a hard link — for writes; a reader passes ``own=False``)."""
     try:
         fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as exc:
@@ -166,7 +171,7 @@ def open_nofollow(path: str | Path, flags: int, mode: int = 0o666) -> int:
             ) from None
         raise
     info = os.fstat(fd)
-    if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+    if not stat.S_ISREG(info.st_mode) or (own and info.st_nlink > 1):
         os.close(fd)
         what = "not a regular file" if not stat.S_ISREG(info.st_mode) else f"a hard link ({info.st_nlink} names)"
         raise RunDirError(f"{path} is {what}; run files must be plain files of their own. Remove it")
@@ -179,6 +184,15 @@ def append_text(path: str | Path, text: str) -> None:
     fd = open_nofollow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     with os.fdopen(fd, "a", encoding="utf-8", newline="") as fh:
         fh.write(text)
+
+
+def contained(path: str | Path, root: str | Path, what: str) -> Path:
+    """``path`` resolved, if it lies strictly under ``root`` resolved (links followed), else
+    :class:`RunDirError`: checked before anything under ``root`` is deleted or copied out."""
+    resolved, base = Path(path).resolve(), Path(root).resolve()
+    if resolved == base or not resolved.is_relative_to(base):
+        raise RunDirError(f"{what} {path} resolves to {resolved}, outside {base}; refusing to touch it")
+    return resolved
 
 
 def refuse_links(root: str | Path) -> None:
@@ -282,7 +296,9 @@ def write_jsonl(path: str | Path, records: Iterable[Episode], append: bool = Fal
 def read_jsonl(path: str | Path) -> list[Episode]:
     """Read episodes written by :func:`write_jsonl`; a bad line raises naming the file and line."""
     out = []
-    for lineno, line in enumerate(Path(path).read_text().splitlines(), start=1):
+    with os.fdopen(open_nofollow(path, os.O_RDONLY, own=False), encoding="utf-8") as fh:
+        text = fh.read()
+    for lineno, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             try:
                 out.append(Episode.from_dict(json.loads(line)))
@@ -295,18 +311,25 @@ def iter_episodes(path: str | Path) -> Iterator[Episode]:
     """Episodes of a JSONL file, skipping lines that do not parse (a run killed mid-write).
 
     For readers of a run that may still be written to (plots, reports); training
-    itself uses :func:`read_jsonl`, which refuses a bad line.
+    itself uses :func:`read_jsonl`, which refuses a bad line. Each record is typed
+    (:meth:`Episode.from_dict`); the file is opened as a plain file, never through a
+    link (a FIFO, or a link to ``/dev/zero``, is :class:`RunDirError`), and a line over
+    :data:`MAX_LINE_BYTES` is skipped unread.
     """
     path = Path(path)
     if not path.exists():
         return
-    with path.open(encoding="utf-8", errors="replace") as fh:
-        for line in fh:
+    with os.fdopen(open_nofollow(path, os.O_RDONLY, own=False), "rb") as fh:
+        while line := fh.readline(MAX_LINE_BYTES + 1):
+            if len(line) > MAX_LINE_BYTES:  # no episode is that long: skip to the line's end
+                while line and not line.endswith(b"\n"):
+                    line = fh.readline(MAX_LINE_BYTES)
+                continue
             if not line.strip():
                 continue
             try:
-                yield Episode.from_dict(json.loads(line))
-            except (json.JSONDecodeError, TypeError, KeyError, ValueError):
+                yield Episode.from_dict(json.loads(line.decode("utf-8", errors="replace")))
+            except (json.JSONDecodeError, TypeError, KeyError, ValueError, RecursionError):
                 continue
 
 

@@ -17,7 +17,10 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
+from functools import cache
 from typing import Any
+
+from pydantic import TypeAdapter, ValidationError
 
 TokenIds = list[int]
 Logprobs = list[float]
@@ -254,12 +257,21 @@ class Episode:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, obj: dict[str, Any]) -> Episode:
-        obj = dict(obj)
-        obj["turns"] = [Turn(**t) for t in obj["turns"]]
-        if obj.get("stop_reason") is not None:
-            obj["stop_reason"] = StopReason(obj["stop_reason"])
-        return cls(**obj)
+    def from_dict(cls, obj: Any) -> Episode:
+        """An episode from :meth:`to_dict`'s shape, every field checked against its annotation first
+        (pydantic; numbers lax, so ``1`` reads as ``1.0``, but ``"<img …>"`` is no turn index, and a
+        prompt source is one of :data:`SOURCES`): what a run directory holds is typed before anything
+        renders, plots or trains on it. ``ValueError`` naming the field (``turns.0.index: …``)."""
+        try:
+            episode = _episode_adapter().validate_python(obj)
+        except ValidationError as exc:
+            first = exc.errors(include_url=False)[0]
+            raise ValueError(f"{'.'.join(map(str, first['loc'])) or 'record'}: {first['msg']}") from None
+        for k, turn in enumerate(episode.turns):
+            runs = turn.prompt_sources or []
+            if any(len(run) != 2 or run[0] not in SOURCES or type(run[1]) is not int for run in runs):
+                raise ValueError(f"turns.{k}.prompt_sources: each run is [source, count] with source in {SOURCES}")
+        return episode
 
 
 def run_lengths(sources: list[str]) -> list[list[Any]]:
@@ -318,3 +330,8 @@ def loss_mask(episode: Episode) -> tuple[list[int], list[int]]:
         mask += [0] * n_new + [1] * len(turn.action_ids)
     last = episode.turns[-1]
     return last.prompt_ids + last.action_ids, mask
+
+
+@cache
+def _episode_adapter() -> TypeAdapter[Episode]:
+    return TypeAdapter(Episode)

@@ -48,7 +48,7 @@ from turnrl.experiments.results import (
 )
 from turnrl.experiments.spec import ExperimentError, ExperimentSpec, load_spec
 from turnrl.experiments.verdict import RATE_METRICS, CriterionResult, Verdict
-from turnrl.rundir import RunDir, atomic_write_text
+from turnrl.rundir import RunDir, atomic_write_text, contained
 from turnrl.train.settings import RunSettings
 from turnrl.train.summary import Summary
 
@@ -129,8 +129,8 @@ def run_experiment(
     results: list[RunResult] = []
     for i, run in enumerate(plan, start=1):
         rd = RunDir(run.run_dir)
-        if fresh and rd.root.exists():
-            shutil.rmtree(rd.root)
+        if fresh and rd.root.exists():  # only what lies under the output directory, links resolved
+            shutil.rmtree(contained(rd.root, output_root, "--fresh would delete"))
         console.rule(f"[{i}/{len(plan)}] {name}: arm {run.arm}, seed {run.seed} → {rd.root}")
         if rd.config.exists():
             changed = config_conflicts(rd.root, run.config)

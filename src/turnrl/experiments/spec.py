@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 
+from turnrl.bounded import NAME_PATTERN, path_component
 from turnrl.config import ConfigError, format_errors, read_config_data
 
 MetricName = Literal["success_rate", "mean_reward"]
@@ -63,7 +64,7 @@ class _Strict(BaseModel):
 
 
 class Arm(_Strict):
-    name: str = Field(pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str = Field(pattern=NAME_PATTERN)
     """Directory-safe name: letters, digits, ``_``, ``.``, ``-``."""
     overrides: dict[str, Any] = {}
     """Dotted config keys → values (YAML values, not strings)."""
@@ -200,7 +201,7 @@ def is_under(key: str, prefixes: Sequence[str]) -> str | None:
 
 
 class ExperimentSpec(_Strict):
-    name: str | None = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    name: str | None = Field(None, pattern=NAME_PATTERN)
     title: str = Field(min_length=1)
     hypothesis: str = Field(min_length=1)
     base_config: str
@@ -336,8 +337,11 @@ class ExperimentSpec(_Strict):
     def experiment_name(self) -> str:
         if self.name:
             return self.name
-        if self._source is not None:
-            return self._source.stem
+        if self._source is not None:  # the spec file's stem: a name from outside, like any other
+            try:
+                return path_component(self._source.stem, f"the experiment's name (the stem of {self._source.name})")
+            except ValueError as exc:
+                raise ExperimentError(f"{exc}; or set 'name' in the spec") from None
         raise ExperimentError("the experiment needs a name: set 'name' in the spec")
 
     def base_config_path(self) -> Path:

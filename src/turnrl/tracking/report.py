@@ -2,8 +2,11 @@
 
 One file, no network: CSS and JS are inline, plots are embedded as base64
 PNGs, and a Content-Security-Policy forbids the page from loading anything
-else. It shows the config, the plots, the base-vs-trained comparison and a
-transcript browser. The page template, style sheet and script are real files
+else and runs only the one script whose SHA-256 it names (so no inline event
+handler, ``onerror=…``, would run even if a field of a hostile run directory
+reached the markup unescaped; every field is escaped, and typed when read). It
+shows the config, the plots, the base-vs-trained comparison and a transcript
+browser. The page template, style sheet and script are real files
 (``assets/report.html``, ``report.css``, ``report.js``, shipped as package
 data) that are read with :mod:`importlib.resources` and inlined.
 
@@ -35,6 +38,7 @@ every training rollout, and, for an opened episode, each of its rows.
 from __future__ import annotations
 
 import base64
+import hashlib
 import html
 import json
 import math
@@ -453,13 +457,19 @@ def write_report(run_dir: str | Path, tokenizer: Any = None, *, max_episodes: in
         "CONFIG": _esc(config_text) if config_text else "(config.yaml missing)",
         "CSS": _asset("report.css"),
         "JS": _asset("report.js"),
+        "SCRIPT_HASH": _script_hash(_asset("report.js")),
         "PLOTS": _plots_html(run),
         "DATA": _json_for_script(data),
     }
     # one pass: text inserted for one marker is never scanned for another
-    page = re.sub(r"@@([A-Z]+)@@", lambda m: parts[m.group(1)], _asset("report.html"))
+    page = re.sub(r"@@([A-Z_]+)@@", lambda m: parts[m.group(1)], _asset("report.html"))
     atomic_write_text(run.report, page)
     return run.report
+
+
+def _script_hash(script: str) -> str:
+    """The CSP source that allows exactly ``script`` inline (and, with a hash listed, no event handler)."""
+    return "'sha256-" + base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii") + "'"
 
 
 @cache

@@ -148,8 +148,8 @@
     const body = ep.rows.map(([turn, counts, sampled, trained]) => {
       const total = counts.reduce((a, b) => a + b, 0);
       const dil = total ? 1 - sampled / total : 0;
-      return `<tr class="mask-row"><th>${turn < 0 ? "whole episode" : "turn " + turn}</th>` + used.map((c) => `<td>${counts[c]}</td>`).join("") +
-        `<td>${sampled}</td><td>${trained}</td><td>${dil.toFixed(3)}</td></tr>`;
+      return `<tr class="mask-row"><th>${turn < 0 ? "whole episode" : "turn " + esc(turn)}</th>` + used.map((c) => `<td>${esc(counts[c])}</td>`).join("") +
+        `<td>${esc(sampled)}</td><td>${esc(trained)}</td><td>${dil.toFixed(3)}</td></tr>`;
     }).join("");
     return `<table class="rows" title="training rows of this episode by token source; dilution = 1 − sampled / all tokens">${head}${body}</table>`;
   }
@@ -169,7 +169,7 @@
       out.push(`<div class="turn"><div class="turn-head"><b>prompt</b></div><div class="seq"><span class="tok ctx" title="untrained (prompt)">${shown(ep.p, ws)}</span></div></div>`);
     }
     ep.T.forEach((t, k) => {
-      const head = [`<b>turn ${t.k ?? k}</b>`, t.A === null ? "not trained" : `A = ${signed(t.A)}`, `${t.n} tokens`];
+      const head = [`<b>turn ${esc(t.k ?? k)}</b>`, t.A === null ? "not trained" : `A = ${signed(t.A)}`, `${esc(t.n)} tokens`];
       if (t.mlp !== undefined) head.push(`mean logp ${t.mlp.toFixed(3)}`);
       if (t.r !== null) head.push(`turn reward ${fmt(t.r, 4)}`);
       if (t.f) head.push(`finish ${esc(t.f)}`);
@@ -188,7 +188,7 @@
           seq += `<span class="obs-label">environment (final reply, not part of any context)</span><span class="tok ctx" title="untrained (environment)">${shown(t.o, ws)}</span>`;
         }
       } else {
-        const extra = `${t.n} tokens` + (t.mlp !== undefined ? ` · mean logp ${t.mlp.toFixed(3)}` : "");
+        const extra = `${esc(t.n)} tokens` + (t.mlp !== undefined ? ` · mean logp ${t.mlp.toFixed(3)}` : "");
         seq += actionSpan(t, shown(t.t, ws), extra);
         if (t.o) seq += `<span class="obs-label">environment</span><span class="tok ctx" title="untrained (environment)">${shown(t.o, ws)}</span>`;
       }
