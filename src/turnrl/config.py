@@ -33,6 +33,7 @@ from turnrl.bounded import (  # the sizes a config may ask for live with the oth
     MAX_NODES,
     MAX_TOKENS_PER_STEP,
     MAX_TOKENS_PER_TURN,
+    NAME_PATTERN,
     InputTooLarge,
     check_bounded,
     short_repr,
@@ -121,6 +122,13 @@ class RolloutConfig(_Section):
     truncated_completion_reward: float | None = None
     """An episode with a length-cut turn gets this reward instead (None: off; ``train.mask_truncated_completions``
     is the other way to treat such turns)."""
+    context: Literal["full", "window", "summary"] = "full"
+    """What each turn's context holds: ``full`` the whole history (each context extends the last);
+    ``window`` the task (the environment's opening messages) and the last ``context_turns`` turns;
+    ``summary`` the same with the environment's ``context_summary()`` standing for the turns left out.
+    A window re-renders contexts, so such a run trains one row per turn, on exactly the tokens it saw."""
+    context_turns: int = Field(4, ge=1, le=MAX_GROUP)
+    """Turns a ``window``/``summary`` context keeps (each an action and the environment's reply)."""
     task_seeds: bool | None = None
     """Seed each draw from (step seed, task index, branch, turn) rather than from its place in the sampler
     call, so a task's episodes do not depend on which process collects it. None: on exactly when several
@@ -232,7 +240,7 @@ class PathsConfig(_Section):
 
 
 class RunConfig(_Section):
-    run_name: str = Field("run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=200)
+    run_name: str = Field("run", pattern=NAME_PATTERN, max_length=200)
     """The run directory's name under ``paths.output_dir``: letters, digits, ``. _ -`` (no path)."""
     seed: int = Field(0, ge=0, le=2**32 - 1)
     """Seeds the model's initialisation, sampling and the task stream (0 ≤ seed < 2³², numpy's range)."""
@@ -343,8 +351,14 @@ class RunConfig(_Section):
 
     @property
     def per_turn_rows(self) -> bool:
-        """Train each turn as its own row (per-turn credit, per-turn passes, or re-rendered contexts)."""
-        return self.credit.spec.per_turn_rows or self.train.decompose_turns or self.model.exclude_think
+        """Train each turn as its own row (per-turn credit, per-turn passes, or re-rendered contexts:
+        ``model.exclude_think``, a ``rollout.context`` window)."""
+        return (
+            self.credit.spec.per_turn_rows
+            or self.train.decompose_turns
+            or self.model.exclude_think
+            or self.rollout.context != "full"
+        )
 
     @property
     def episodes_per_task(self) -> int:

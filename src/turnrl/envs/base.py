@@ -145,6 +145,12 @@ class Env(ABC):
         """
         return None
 
+    def context_summary(self) -> str | None:
+        """Text that stands for the turns a context window leaves out (``rollout.context: summary``): the
+        state so far in a few lines (e.g. "room 3; holding the red key; doors tried: 1, 4"). None = this
+        environment gives no summary (the default; such a run uses ``rollout.context: window``)."""
+        return None
+
     def action_choices(self) -> list[str] | None:
         """The replies the next turn can give, when that set is finite and small (answers from a
         fixed menu); None = open-ended (the default). A reply outside the set is one this

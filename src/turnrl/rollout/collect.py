@@ -45,6 +45,7 @@ from turnrl.chat import ChatTemplate
 from turnrl.credit.shaping import shaped_rewards
 from turnrl.envs import Env, make_env
 from turnrl.rollout.concurrent import run_concurrently
+from turnrl.rollout.context import windowed
 from turnrl.rollout.guard import guarded_group_rewards, guarded_step
 from turnrl.rollout.settings import RolloutSettings
 from turnrl.sampling.base import Sampler
@@ -90,6 +91,10 @@ class _Live:
     prompt: str = ""
     index: int = 0
     """The task's index in the step (``first_task`` + its place in this call)."""
+    opening: int = 0
+    """How many messages the environment opened with (the task, which a context window always keeps)."""
+    shown: list[Message] | None = None
+    """The messages the current context renders when a window left turns out (None: all of ``messages``)."""
 
     def fork(self, j: int) -> _Live:
         child = copy.deepcopy(self)
@@ -155,7 +160,7 @@ def collect(
             call = replace(params, seed=params.seed * 1009 + turn)
             if settings.task_seeds:
                 call = replace(call, row_seeds=tuple(row_seed(params.seed, e.index, e.branch, turn) for e in active))
-            samples = sampler.sample([e.context for e in active], call, [e.messages for e in active])
+            samples = sampler.sample([e.context for e in active], call, [_shown(e) for e in active])
             fitted = [_fit(e, s, settings.max_context_tokens) for e, s in zip(active, samples, strict=True)]
             samples = [s for s, _ in fitted]
             texts = [s.text if s.text is not None else chat.decode(s.ids) for s in samples]
@@ -196,6 +201,7 @@ def _open(
         )
     task_text = next((str(m["content"]) for m in reversed(messages) if m["role"] == "user"), "")
     root = _Live(env, task, group, [], messages, context, sources, tools, prompt=task_text, index=index)
+    root.opening = len(messages)
     if settings.shaping_gamma is not None:
         phi = env.potential()
         root.potentials = None if phi is None else [float(phi)]
@@ -272,12 +278,24 @@ def _advance(
     if settings.max_turns is not None and len(episode.turns) >= settings.max_turns:
         _end(episode, history, truncated=True, reason=StopReason.COLLECTOR_LIMIT)
         return
-    episode.context, episode.sources = chat.extend_with_sources(
-        episode.context, episode.sources, sample.ids, history, result.messages, episode.tools
-    )
-    episode.messages = history + result.messages
+    messages = history + result.messages
+    summary = episode.env.context_summary() if settings.context == "summary" else None
+    episode.shown = windowed(messages, episode.opening, settings.context_turns, settings.context, summary)
+    if episode.shown is None:  # the whole history: the previous context, extended
+        episode.context, episode.sources = chat.extend_with_sources(
+            episode.context, episode.sources, sample.ids, history, result.messages, episode.tools
+        )
+    else:  # turns left out: rendered whole from the messages it shows (rollout.context)
+        episode.context, sources = chat.initial_with_sources(episode.shown, episode.tools)
+        episode.sources = sources if episode.sources is not None else None
+    episode.messages = messages
     if settings.max_context_tokens is not None and len(episode.context) >= settings.max_context_tokens:
         _end(episode, episode.messages, truncated=True, reason=StopReason.CONTEXT_LIMIT)
+
+
+def _shown(episode: _Live) -> list[Message]:
+    """The messages of the episode's current context (what a chat-message sampler backend is sent)."""
+    return episode.shown if episode.shown is not None else episode.messages
 
 
 def _potential(env: Env) -> float:

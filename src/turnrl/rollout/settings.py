@@ -7,6 +7,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
+from turnrl.rollout.context import ContextMode
+
 DEFAULT_ENV_WORKERS = 8
 
 
@@ -37,6 +39,10 @@ class RolloutSection(Protocol):
     def truncated_completion_reward(self) -> float | None: ...
     @property
     def task_seeds(self) -> bool | None: ...
+    @property
+    def context(self) -> ContextMode: ...
+    @property
+    def context_turns(self) -> int: ...
 
 
 class EnvSection(Protocol):
@@ -76,6 +82,10 @@ class RolloutSettings:
     """Seed every draw from (the call's seed, task index, branch, turn) instead of from its place in the
     sampler call, so a task's episodes do not depend on which other tasks are collected with it (or by
     which process): :func:`row_seed`."""
+    context: ContextMode = "full"
+    """What each turn's context holds (:mod:`turnrl.rollout.context`): the whole history, or the task and
+    the last ``context_turns`` turns (``window``; ``summary``: with the environment's summary between)."""
+    context_turns: int = 4
 
     @classmethod
     def from_config(cls, cfg: RolloutSource) -> RolloutSettings:
@@ -92,6 +102,8 @@ class RolloutSettings:
             shaping_gamma=r.shaping_gamma if r.shaping else None,
             truncated_reward=r.truncated_completion_reward,
             task_seeds=bool(r.task_seeds),
+            context=r.context,
+            context_turns=r.context_turns,
         )
 
     def for_evaluation(self) -> RolloutSettings:
