@@ -31,6 +31,8 @@ SUITES = [
     "tests/test_hostile.py",
     "tests/test_sandbox_limits.py",
     "tests/test_hostile_input_cases.py",
+    "tests/test_hostile_paths.py",
+    "tests/test_report_browser.py",
 ]
 INNER = "TURNRL_UNPRIVILEGED_RUN"
 
