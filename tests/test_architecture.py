@@ -57,6 +57,7 @@ def _layer(module: str) -> str:
 ALLOWED = {
     "types": set(),
     "bounded": set(),
+    "terminal": set(),
     "tasks": {"types", "bounded"},
     "rundir": {"types"},
     "records": {"types", "bounded", "rundir"},

@@ -370,3 +370,23 @@ def test_a_pickle_adapter_is_refused_unread(tmp_path):
     (adapter / "adapter_model.bin").write_bytes(pickle.dumps(Boom()))
     _fails(["eval", _config(tmp_path), "--adapter", str(adapter)], "adapter_model.bin", "pickle", "not loaded")
     assert not (tmp_path / "unpickled").exists()
+
+
+# ---- user values printed as text, never as console markup (issue 33, class 7)
+
+MARKUP = "a[/]b[bold red]c[/bold red][link=x]"
+
+
+def test_markup_in_a_path_is_printed_as_text_in_the_one_line_error(tmp_path):
+    missing = tmp_path / f"{MARKUP}.yaml"
+    result = CliRunner().invoke(app, ["train", str(missing)])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert MARKUP in " ".join(result.output.split()) and "MarkupError" not in result.output
+
+
+def test_markup_in_the_output_directory_does_not_stop_a_run(tmp_path):
+    out = tmp_path / MARKUP
+    result = CliRunner().invoke(app, ["train", _config(tmp_path, paths={"output_dir": str(out)})])
+    assert result.exit_code == 0, result.output
+    assert RunDir(out / "r").summary.exists() and "run directory" in result.output
+    assert MARKUP in " ".join(result.output.split())  # the run directory, shown as it is

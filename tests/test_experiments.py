@@ -787,4 +787,3 @@ def test_number_guess_credit_specs_resolve_to_their_measured_design(name, tmp_pa
         assert all(r.config.train.lr == 3.0e-4 and r.config.model.name == "embedded" for r in runs)
     else:  # from the main job's exported output (its comment says how to make it)
         assert all(r.config.model.name == "models/number_guess_formatted" for r in runs)
-

@@ -132,4 +132,3 @@ def test_export_refuses_a_non_empty_out_and_a_non_run(run, tmp_path):
     assert (tmp_path / "full" / "keep.txt").read_text() == "x"
     result = CliRunner().invoke(app, ["export", str(tmp_path), "--iteration", "0", "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "not a run directory" in result.output
-

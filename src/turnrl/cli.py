@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from turnrl.bounded import (
     MAX_AUDIT_EPISODES,
@@ -19,6 +18,7 @@ from turnrl.bounded import (
 )
 from turnrl.bounded import MAX_EPISODES_PER_STEP as _CALL
 from turnrl.lab.cli import lab_app
+from turnrl.terminal import make_console, styled
 
 MAX_PROCESSES = 64
 """``train --processes``: processes on one machine (one per accelerator)."""
@@ -35,7 +35,7 @@ model_app = typer.Typer(help="Models.", no_args_is_help=True)
 app.add_typer(tasks_app, name="tasks")
 app.add_typer(model_app, name="model")
 app.add_typer(lab_app, name="lab")
-console = Console()
+console = make_console()
 
 ConfigArg = Annotated[Path, typer.Argument(help="YAML run config (see configs/).")]
 SetOpt = Annotated[
@@ -106,7 +106,7 @@ def _fail(exc: BaseException) -> None:
         message = str(exc)
     if len(message) > 4000:  # a message quoting user input never floods the terminal
         message = message[:4000] + " ..."
-    console.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    console.print(styled(("error:", "bold red"), " ", message), highlight=False, soft_wrap=True)
     raise typer.Exit(2)
 
 

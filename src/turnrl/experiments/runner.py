@@ -49,6 +49,7 @@ from turnrl.experiments.results import (
 from turnrl.experiments.spec import ExperimentError, ExperimentSpec, load_spec
 from turnrl.experiments.verdict import RATE_METRICS, CriterionResult, Verdict
 from turnrl.rundir import RunDir, atomic_write_text, contained
+from turnrl.terminal import make_console, styled
 from turnrl.train.settings import RunSettings
 from turnrl.train.summary import Summary
 
@@ -116,7 +117,7 @@ def run_experiment(
     writes ``experiment.json``, ``summary.md`` and ``experiment.png`` into
     ``<output_root>/<name>/``.
     """
-    console = console or Console()
+    console = console or make_console()
     out = out or sys.stdout
     runner = runner or train_run
     name = spec.experiment_name()
@@ -181,14 +182,14 @@ def report_experiment(
     verdict = criterion.verdict if criterion else None
 
     if primary is not None:
-        console.print(f"[bold]{primary_line(primary)}[/bold]", highlight=False)
+        console.print(styled((primary_line(primary), "bold")), highlight=False)
     console.print(results_table(arms, metric, f"{spec.title} · held-out {metric}"))
     for title, header, rows in compute_tables(arms):
         console.print(rich_table(header, rows, title))
     if criterion is not None:
         for line in criterion_lines(criterion):
             console.print(line.replace("**", ""), highlight=False)
-        console.print(f"[bold]verdict: {verdict}[/bold]")
+        console.print(styled((f"verdict: {verdict}", "bold")))
     plot = None
     if any(r.eval_rows or r.train_rows for r in results):
         plot = plot_experiment(results, metric, exp_dir / "experiment.png", spec.title)
@@ -242,7 +243,7 @@ def main(
     console: Console | None = None,
 ) -> ExperimentResult | None:
     """The ``turnrl experiment`` command."""
-    console = console or Console()
+    console = console or make_console()
     spec = load_spec(spec_path)
     if dry_run:
         describe_plan(spec, plan_runs(spec, output_root, overrides), console)

@@ -6,10 +6,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
+
+from turnrl.terminal import make_console, styled
 
 lab_app = typer.Typer(help="Course labs: small CPU experiments.", no_args_is_help=True)
-console = Console()
+console = make_console()
 
 
 @lab_app.callback()
@@ -33,7 +34,7 @@ def keydoor(
 
     if profile not in PROFILES:
         console.print(
-            f"[bold red]error:[/] --profile must be one of {sorted(PROFILES)}, got {profile!r}",
+            styled(("error:", "bold red"), f" --profile must be one of {sorted(PROFILES)}, got {profile!r}"),
             highlight=False,
         )
         raise typer.Exit(2)

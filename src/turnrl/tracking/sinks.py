@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from turnrl.rundir import RunDir, append_text, atomic_write_text
+from turnrl.terminal import make_console, styled
 from turnrl.tracking.registry import (
     Metrics,
     MetricsSink,
@@ -259,9 +260,7 @@ class ConsoleSink:
     """
 
     def __init__(self, console: Any = None, step_lines: bool = False) -> None:
-        from rich.console import Console
-
-        self.console = console if console is not None else Console()
+        self.console = console if console is not None else make_console()
         self.step_lines = step_lines
         self._base: dict[str, float] | None = None
 
@@ -273,13 +272,13 @@ class ConsoleSink:
         if not self.step_lines:
             return
         nums = _numeric(metrics)
-        parts = [f"[bold]step {step}[/bold]"]
+        line = styled((f"step {step}", "bold"))
         if "iteration" in nums:
-            parts[0] += f" [dim](iter {int(nums['iteration'])})[/dim]"
+            line.append(f" (iter {int(nums['iteration'])})", "dim")
         for key, short, fmt in _STEP_LINE_KEYS:
             if key in nums:
-                parts.append(f"{short} {fmt.format(nums[key])}")
-        self.console.print("  ".join(parts), highlight=False)
+                line.append(f"  {short} {fmt.format(nums[key])}")
+        self.console.print(line, highlight=False)
 
     def log_eval(self, step: int, metrics: Metrics) -> None:
         from rich.table import Table

@@ -26,6 +26,7 @@ from turnrl.config import RunConfig, dump_config, resume_conflicts
 from turnrl.envs import make_env
 from turnrl.eval import comparison_table
 from turnrl.rundir import RunDir, atomic_write_text, pull_run, push_run, write_jsonl
+from turnrl.terminal import make_console
 from turnrl.tracking import MultiSink, make_plots, make_sinks, write_report
 from turnrl.train import distributed
 from turnrl.train.checkpoint import (
@@ -84,7 +85,7 @@ class Run:
         self.dir = self.dir_for(cfg)
         self.writer = distributed.is_main()
         """This process writes the run directory (rank 0, or the only process)."""
-        self.console = (console or Console()) if self.writer else Console(quiet=True)
+        self.console = (console or make_console()) if self.writer else make_console(quiet=True)
         self.sink = MultiSink([])
         self.train_tasks: list[Task] = []
         self.eval_tasks: list[Task] = []
