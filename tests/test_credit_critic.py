@@ -131,6 +131,8 @@ def test_a_state_key_critic_refuses_a_turn_without_a_key_and_trees_are_refused()
     s = settings(features="state_key")
     with pytest.raises(ValueError, match="credit.features.*turn 1 of episode 'e'.*features: text"):
         assign_credit([episode("e", [0, 1], ["s", None])], s)
+    empty = CriticState(CriticParams())
+    assert empty.credit([], CriticParams()).advantages == {} and empty.mode is None
     tree = episode("e", [1], ["s"])
     tree.branch = [0, 0]
     with pytest.raises(ValueError, match="flat groups.*rollout.branching"):

@@ -337,6 +337,8 @@ class CriticState:
     def credit(self, episodes: list[Episode], cfg: CriticParams) -> CreditResult:
         """Advantages by GAE from the cross-fitted critic, then the batch joins the history (module doc)."""
         _check_flat(episodes)
+        if not episodes:  # nothing to credit or learn (and no mode to choose from)
+            return CreditResult({}, {})
         mode = self._mode_for(episodes)
         rewards = [turn_rewards(e) for e in episodes]
         boot = self._bootstrap(episodes, cfg)
