@@ -327,7 +327,7 @@ def test_assign_credit_batch_mean_and_similarity():
 
 
 def test_registry_and_input_checks():
-    assert set(ESTIMATORS) == {"group_mean", "batch_mean", "loo_similarity", "branched", "stepwise", "gigpo"}
+    assert set(ESTIMATORS) == {"group_mean", "batch_mean", "loo_similarity", "branched", "stepwise", "gigpo", "critic"}
     assert assign_credit([], CreditConfig()).advantages == {}
     with pytest.raises(ValueError, match="appears twice"):
         assign_credit([ep("a", 1.0), ep("a", 0.0)], CreditConfig())

@@ -179,7 +179,8 @@ class EstimatorArm:
 
 def default_arms(leaves: int, shapes: Sequence[tuple[int, int]] | None = None) -> list[EstimatorArm]:
     """Every registered built-in estimator: group_mean at each scale, batch_mean, loo_similarity,
-    stepwise (both baselines), gigpo (both episode statistics) and branched at each shape."""
+    stepwise (both baselines), gigpo (both episode statistics), the critic (λ 0.9 and 0: fresh each
+    call, fitted on the audit's own batch without the audited episode) and branched at each shape."""
     arms = [EstimatorArm(f"group_mean/{s}", "group_mean", {"scale": s}) for s in ("group", "batch", "none")]
     arms += [
         EstimatorArm("batch_mean", "batch_mean"),
@@ -188,6 +189,8 @@ def default_arms(leaves: int, shapes: Sequence[tuple[int, int]] | None = None) -
         EstimatorArm("stepwise/per_turn_index", "stepwise", {"baseline": "per_turn_index"}),
         EstimatorArm("gigpo", "gigpo"),
         EstimatorArm("gigpo/per_step", "gigpo", {"episode_stats": "per_step", "std_eps": 1e-6}),
+        EstimatorArm("critic", "critic"),
+        EstimatorArm("critic/lam0", "critic", {"lam": 0.0}),
     ]
     for g1, g2 in shapes if shapes is not None else default_shapes(leaves):
         if g1 * g2 != leaves:

@@ -5,12 +5,14 @@ The trainer calls :func:`assign_credit` with the step's episodes and the
 advantage). Each estimator is one module and one :data:`ESTIMATORS` entry (an
 :class:`EstimatorSpec`: function, own pydantic parameters, needs); the math
 underneath is pure numpy and knows nothing of models or training
-(ALGORITHMS.md §1). ``register_estimator`` adds one from user code.
+(ALGORITHMS.md §1). ``register_estimator`` adds one from user code. A stateful estimator (the
+``critic``, which learns across steps) names its state in ``EstimatorSpec.state``: the run's
+:class:`CreditSettings` holds one, and the checkpoint saves it (``state_dict``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -21,6 +23,7 @@ from turnrl.credit.branched import (
     node_values,
     raw_advantages,
 )
+from turnrl.credit.critic import CRITIC, CriticState, critic_advantages
 from turnrl.credit.dynamic import filter_zero_variance, groups_by_id
 from turnrl.credit.gigpo import GIGPO, gigpo_advantages
 from turnrl.credit.group import (
@@ -34,7 +37,7 @@ from turnrl.credit.group import (
     tfidf_vectors,
     tokenize,
 )
-from turnrl.credit.result import CreditResult, EstimatorParams, EstimatorSpec, reward_metrics
+from turnrl.credit.result import CreditResult, EstimatorParams, EstimatorSpec, EstimatorState, reward_metrics
 from turnrl.credit.returns import (
     collector_target,
     discounted_return,
@@ -58,6 +61,7 @@ ESTIMATORS: dict[str, EstimatorSpec[Any]] = {
     "branched": BRANCHED,
     "stepwise": STEPWISE,
     "gigpo": GIGPO,
+    "critic": CRITIC,
 }
 
 
@@ -88,6 +92,22 @@ class CreditSettings:
 
     estimator: str
     params: BaseModel
+    state: EstimatorState | None = field(default=None, compare=False, repr=False)
+    """A stateful estimator's state for the run (made here when its spec has one; it learns across steps)."""
+
+    def __post_init__(self) -> None:
+        spec = ESTIMATORS.get(self.estimator)
+        if self.state is None and spec is not None and spec.state is not None:
+            object.__setattr__(self, "state", spec.state(self.params))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The estimator's state for the checkpoint (empty for a stateless estimator)."""
+        return self.state.state_dict() if self.state is not None else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore it from a checkpoint; an empty one (a stateless run, or an older checkpoint) keeps it fresh."""
+        if self.state is not None and state:
+            self.state.load_state_dict(state)
 
     @property
     def spec(self) -> EstimatorSpec[Any]:
@@ -113,7 +133,10 @@ def assign_credit(episodes: list[Episode], settings: CreditSettings) -> dict[str
         raise ValueError(f"episode_id {dup!r} appears twice; credit is keyed by episode id")
     if not episodes:
         return {}
-    result = spec.fn(episodes, settings.params)
+    if settings.state is not None:  # a stateful estimator: credit from what it learned, then learn this batch
+        result = settings.state.credit(episodes, settings.params)
+    else:
+        result = spec.fn(episodes, settings.params)
     for ep in episodes:
         for turn, adv in zip(ep.turns, result.advantages[ep.episode_id], strict=True):
             turn.advantage = adv
@@ -125,14 +148,17 @@ __all__ = [
     "CreditResult",
     "CreditSection",
     "CreditSettings",
+    "CriticState",
     "EstimatorParams",
     "EstimatorSpec",
+    "EstimatorState",
     "assign_credit",
     "get_estimator",
     "register_estimator",
     "batch_mean",
     "branched_advantages",
     "collector_target",
+    "critic_advantages",
     "discounted_return",
     "filter_zero_variance",
     "gae",

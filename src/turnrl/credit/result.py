@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict
@@ -39,6 +39,15 @@ P = TypeVar("P", bound=BaseModel)
 """An estimator's own parameter model."""
 
 
+class EstimatorState(Protocol):
+    """What a stateful estimator (a learned critic) keeps across a run's steps: it credits a batch with its
+    own parameters and learns from it, and its state is saved with the run's checkpoint (plain values)."""
+
+    def credit(self, episodes: list[Episode], params: Any) -> CreditResult: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
 @dataclass(frozen=True)
 class EstimatorSpec(Generic[P]):
     """A credit estimator as a registry entry, generic in its parameter model ``P``: its function, its
@@ -55,6 +64,9 @@ class EstimatorSpec(Generic[P]):
     """Needs ``rollout.branching`` (episodes are leaves of trees)."""
     supports_tree: bool = False
     """Works with or without ``rollout.branching`` (trees are optional)."""
+    state: Callable[[P], EstimatorState] | None = None
+    """A stateful estimator's state, made from its parameters: a run keeps one (:class:`CreditSettings`), which
+    learns across steps and is checkpointed; ``fn`` alone starts from a fresh one each call."""
 
 
 def sample_std(x: Sequence[float] | np.ndarray) -> float:

@@ -47,8 +47,8 @@ def _terminal_flags(terminated: bool | Sequence[bool], k: int) -> np.ndarray:
 
 
 def td_residuals(
-    rewards: Sequence[float],
-    values: Sequence[float],
+    rewards: Sequence[float] | np.ndarray,
+    values: Sequence[float] | np.ndarray,
     gamma: float,
     terminated: bool | Sequence[bool],
 ) -> np.ndarray:
@@ -68,8 +68,8 @@ def td_residuals(
 
 
 def gae(
-    rewards: Sequence[float],
-    values: Sequence[float],
+    rewards: Sequence[float] | np.ndarray,
+    values: Sequence[float] | np.ndarray,
     gamma: float,
     lam: float,
     terminated: bool | Sequence[bool],

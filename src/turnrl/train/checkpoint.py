@@ -3,7 +3,8 @@
 After every ``train.checkpoint_every`` steps (and at the end of each iteration)
 the resumable state is written atomically to ``checkpoint/state.pt``: counters,
 the trainer's state (adapter, optimizer), the sampler's (version, stale
-snapshot), RNG states, and how many rows every progress and rollout file had.
+snapshot), a stateful credit estimator's (the critic), RNG states, and how
+many rows every progress and rollout file had.
 A resumed run cuts each of those files back to that row count — the only
 truncation rule — so it never duplicates a row. Rows are complete records: a
 torn last line (a kill mid-append) is not a row, and a counted row that is not a
@@ -22,7 +23,7 @@ import os
 import random
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -71,6 +72,11 @@ class Checkpoint:
     rng: dict[str, Any] = field(default_factory=dict)
     rows: dict[str, int] = field(default_factory=dict)
     """Rows of every progress and rollout file when it was written (:func:`truncate_to` cuts back to them)."""
+    credit: dict[str, Any] = field(default_factory=dict)
+    """:meth:`CreditSettings.state_dict` (a learned critic's statistics; empty for a stateless estimator)."""
+
+    OPTIONAL: ClassVar[tuple[str, ...]] = ("credit",)
+    """Fields an older checkpoint may lack (it resumes with their defaults: a fresh critic)."""
 
     def to_payload(self) -> dict[str, Any]:
         plain = {"state": asdict(self.state), "summary": self.summary.to_json()}
@@ -79,10 +85,11 @@ class Checkpoint:
     @classmethod
     def from_payload(cls, payload: Any) -> Checkpoint:
         names = [f.name for f in fields(cls)]
-        if not isinstance(payload, dict) or not set(names) <= set(payload):
+        required = [n for n in names if n not in cls.OPTIONAL]
+        if not isinstance(payload, dict) or not set(required) <= set(payload):
             have = sorted(payload) if isinstance(payload, dict) else type(payload).__name__
-            raise ValueError(f"not a turnrl checkpoint (needs {', '.join(names)}; has {have})")
-        values = {name: payload[name] for name in names}
+            raise ValueError(f"not a turnrl checkpoint (needs {', '.join(required)}; has {have})")
+        values = {name: payload[name] for name in names if name in payload}
         values["state"] = RunState(**values["state"])
         values["summary"] = Summary.from_json(values["summary"], "the checkpoint's summary")
         return cls(**values)
@@ -192,14 +199,16 @@ def restore_rng(state: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
 
 
-def save_checkpoint(run: RunDir, trainer, sampler, state: RunState, summary: Summary) -> None:
+def save_checkpoint(
+    run: RunDir, trainer, sampler, state: RunState, summary: Summary, credit: dict[str, Any] | None = None
+) -> None:
     """Write the resumable state atomically; on failure the previous checkpoint stays and the error says why."""
     from turnrl.train.distributed import is_main
 
     if not is_main():  # several processes: rank 0 writes (every rank holds the same state)
         return
     payload = Checkpoint(
-        state, summary, trainer.state_dict(), sampler.state_dict(), _rng_state(), row_counts(run)
+        state, summary, trainer.state_dict(), sampler.state_dict(), _rng_state(), row_counts(run), credit or {}
     ).to_payload()
     run.checkpoint_dir.mkdir(parents=True, exist_ok=True)
     why = ""

@@ -128,6 +128,7 @@ class Run:
                 distributed.barrier()
                 if start.checkpoint is not None:
                     restore_rng(start.checkpoint.rng)
+                    self.settings.credit.load_state_dict(start.checkpoint.credit)  # a learned critic
                 self._open_sinks(start)
                 try:
                     yield start
@@ -169,8 +170,9 @@ class Run:
     # ---- during the run ------------------------------------------------------------------
 
     def save(self, trainer: Any, sampler: Any, state: RunState, summary: Summary) -> None:
-        """The checkpoint (rank 0 writes it: :func:`save_checkpoint` has the same guard)."""
-        save_checkpoint(self.dir, trainer, sampler, state, summary)
+        """The checkpoint with the credit estimator's state (rank 0 writes it: :func:`save_checkpoint` has the
+        same guard)."""
+        save_checkpoint(self.dir, trainer, sampler, state, summary, self.settings.credit.state_dict())
 
     @rank0_only
     def write_summary(self, summary: Summary) -> None:
