@@ -306,14 +306,14 @@ class DecisionsEnv(Env):
         """A decision's reward and the note before the next message; advance to the next decision/room."""
         if not self.corridor:
             self.room += 1
-            return (round(1.0 / self.d, 9) if right else 0.0), note
+            return (1.0 / self.d if right else 0.0), note
         if not right:
             self.room = 0
             return 0.0, note + ("Wrong door: back to room 1. " if not note else "Back to room 1. ")
         self.room += 1
         reward = 0.0
         if self.room > self.best:  # a room reached for the first time pays 1/D
-            self.best, reward = self.room, round(1.0 / self.d, 9)
+            self.best, reward = self.room, 1.0 / self.d
         return reward, ("Right door. " if self.room < self.d else "")
 
     def _metrics(self) -> dict[str, float]:
