@@ -122,7 +122,7 @@ def test_corridor_walk_by_hand_and_recurring_state_keys():
         keys.append(env.state_key())
         result = env.step(reply(env))
         rewards.append(result.reward)
-    assert keys == [["room", 0], ["room", 1], ["room", 0], ["room", 1], ["room", 2]]
+    assert keys == [("room", 0), ("room", 1), ("room", 0), ("room", 1), ("room", 2)]
     assert rewards == pytest.approx([1 / 3, 0.0, 0.0, 1 / 3, 1 / 3])  # room 2 reached again pays nothing
     assert result.done and result.stop_reason == StopReason.SUCCESS and result.metrics["progress"] == 1.0
     env = make_env(TASK, mode="corridor", decisions=3, reward="terminal", horizon=3)
@@ -141,7 +141,7 @@ def test_chain_state_key_is_the_position():
     for _ in range(4):
         keys.append(env.state_key())
         env.step("B) right")
-    assert keys == [["turn", 0], ["turn", 1], ["turn", 2], ["turn", 3]]
+    assert keys == [("turn", 0), ("turn", 1), ("turn", 2), ("turn", 3)]
     json.dumps(keys)  # the collector records keys as JSON
 
 
@@ -270,3 +270,27 @@ def test_oracle_scores_the_max_and_random_the_chance_rate(options):
     accuracy = [_play(make_env(t, **options), policy)[1].metrics["decision_accuracy"] for t in EVAL]
     chance = 1 / options.get("choices", 2)
     assert abs(sum(accuracy) / len(accuracy) - chance) < 0.15
+
+
+def test_through_the_collector_the_corridor_gives_gigpo_large_anchor_groups(tokenizer):
+    """Collected with the scripted random policy (groups of 8 walks): the recorded state keys are the
+    rooms, room 1 recurs, and gigpo's anchor groups are larger than the group; the chain's keys are
+    positions, one per episode, so its anchor groups are the group itself."""
+    from turnrl.chat import ChatTemplate
+    from turnrl.credit import gigpo_advantages
+    from turnrl.credit.gigpo import GigpoParams
+    from turnrl.rollout.collect import RolloutSettings, collect
+    from turnrl.sampling.scripted import ScriptedSampler
+    from turnrl.types import SamplingParams
+
+    sampler, chat = ScriptedSampler(random_policy(3), tokenizer), ChatTemplate(tokenizer)
+    chain = collect(EVAL[:2], sampler, chat, SamplingParams(), [8], RolloutSettings())
+    assert {len(e.turns) for e in chain} == {4}  # default options: the 4-decision chain
+    assert {t.state_key for e in chain for t in e.turns} == {f'["turn",{k}]' for k in range(4)}
+    assert gigpo_advantages(chain, GigpoParams()).metrics["gigpo/anchor_group_size"] == pytest.approx(8.0)
+    corridor = {"mode": "corridor", "decisions": 3}
+    walks = collect(EVAL[:2], sampler, chat, SamplingParams(), [8], RolloutSettings(env_options=corridor))
+    keys = [t.state_key for e in walks for t in e.turns]
+    assert set(keys) <= {f'["room",{r}]' for r in range(3)} and keys.count('["room",0]') > 16
+    assert all(e.turns[0].state_key == '["room",0]' for e in walks)
+    assert gigpo_advantages(walks, GigpoParams()).metrics["gigpo/anchor_group_size"] > 8.0

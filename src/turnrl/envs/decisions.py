@@ -253,10 +253,10 @@ class DecisionsEnv(Env):
 
     # ------------------------------------------------------------------ hooks
 
-    def state_key(self) -> list[Any]:
-        """Chain: ``["turn", t]``, the position in the layout (what earlier answers were changes
-        nothing ahead); corridor: ``["room", r]`` (rooms recur: gigpo's anchor states)."""
-        return ["room", self.room] if self.corridor else ["turn", self.turn]
+    def state_key(self) -> tuple[str, int]:
+        """Chain: ``("turn", t)``, the position in the layout (what earlier answers were changes
+        nothing ahead); corridor: ``("room", r)`` (rooms recur: gigpo's anchor states)."""
+        return ("room", self.room) if self.corridor else ("turn", self.turn)
 
     def action_choices(self) -> list[str]:
         """The canonical replies to the next turn's menu, ``["A) lion", "B) mist", "C) indigo"]``
