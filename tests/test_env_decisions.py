@@ -134,6 +134,18 @@ def test_corridor_walk_by_hand_and_recurring_state_keys():
     assert "back to room 1" in wrong.messages[0]["content"] and "Room 1 of 2" in wrong.messages[0]["content"]
 
 
+def test_position_rule_fixes_each_decisions_letter_by_its_index():
+    from turnrl.envs.decisions import POSITION_KEYS
+
+    for task in EVAL[:3]:
+        env = make_env(task, rule="position", decisions=8)
+        assert [letter for _, letter in env.items] == list(POSITION_KEYS[2]) == list("BAABABBA")
+        assert env.initial_messages()[-1]["content"].startswith("Now the quiz. Question 1 of 8: Guess. A) ")
+        rewards, end = _rewards(env, ["B", "A", "A", "B", "A", "B", "B", "A"])
+        assert rewards == [0.125] * 8 and end.stop_reason == StopReason.SUCCESS
+    assert [x for _, x in make_env(TASK, rule="position", choices=3, decisions=8).items] == list("CABBCAAC")
+
+
 def test_chain_state_key_is_the_position():
     env = make_env(TASK, decisions=2, fillers=1)
     env.initial_messages()
@@ -261,7 +273,8 @@ def _play(env, policy) -> tuple[float, object]:
 @pytest.mark.parametrize(
     "options",
     [{}, {"decisions": 8, "choices": 3}, {"reward": "terminal", "fillers": 2}, {"mode": "corridor", "decisions": 3},
-     {"show_rule": False, "strict": True}],
+     {"show_rule": False, "strict": True}, {"rule": "position"},
+     {"rule": "position", "choices": 3, "mode": "corridor"}],
 )  # fmt: skip
 def test_oracle_scores_the_max_and_random_the_chance_rate(options):
     oracle = [_play(make_env(t, **options), oracle_policy) for t in EVAL]

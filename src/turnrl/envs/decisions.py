@@ -7,8 +7,10 @@ Each *decision* is one question with three options and one right answer, a reply
 Decision k of every task asks about its own category (k = 1..8: animal, fruit, colour, tool,
 vehicle, body part, drink, weather), so no two decisions of an episode share a rule
 (docs/decisions.md says how far that holds for a language model). With ``show_rule: false`` the
-category is not named ("Question 2 of 4: pick one.") and decision k's rule must be learnt from
-reward alone. Train and held-out tasks draw their words from disjoint pools.
+category is not named ("Question 2 of 4: Pick one.") and decision k's rule must be learnt from
+reward alone. ``rule: position`` drops the categories: decision k's right letter is fixed by k
+(:data:`POSITION_KEYS`, "Question 2 of 4: Guess."), a rule a small model learns from reward
+quickly, and still one per decision. Train and held-out tasks draw their words from disjoint pools.
 
 Layout of an episode (``mode: chain``, the default): ``noise_turns`` lottery turns first (the
 noisy prefix), then for each of the ``decisions`` decisions ``fillers`` free turns and the
@@ -82,6 +84,8 @@ EXAMPLES = (
     ("Which one is a metal?", ("pillow", "poem", "iron"), "C"),
 )
 """The worked examples opening the chat (``few_shot``; their words are in no pool)."""
+POSITION_KEYS = {2: "BAABABBA", 3: "CABBCAAC"}
+"""``rule: position``: the right letter of decision k is ``POSITION_KEYS[choices][k]``."""
 TURN_MENUS = {2: ("left", "right"), 3: ("left", "middle", "right")}
 """The options of free and lottery turns."""
 FREE_TEXT = "Free turn (any option is fine, it does not count):"
@@ -127,6 +131,8 @@ class DecisionsOptions(EnvOptions):
     """``corridor``: a wrong answer sends the walker back to room 1 (recurring states)."""
     horizon: int | None = Field(None, ge=1, le=64)
     """Corridor mode: turns before the walk ends (default 2·decisions)."""
+    rule: Literal["category", "position"] = "category"
+    """``category``: decision k's right word is of category k; ``position``: its right letter is fixed by k."""
     show_rule: bool = True
     """Name each question's category (False: "pick one", the rule learnt from reward alone)."""
     strict: bool = False
@@ -175,9 +181,10 @@ def lottery_payoffs(task_id: str, turn: int, noise: float, n: int = 3) -> dict[s
     return dict(zip(LETTERS, values, strict=False))
 
 
-def _question(k: int, d: int, words: list[str], show_rule: bool, room: bool) -> str:
+def _question(k: int, d: int, words: list[str], show_rule: bool | None, room: bool) -> str:
+    """``show_rule`` None: the position rule ("Guess.")."""
     where = f"Room {k + 1} of {d}" if room else f"Question {k + 1} of {d}"
-    ask = f"Which one is {CATEGORIES[k][1]}?" if show_rule else "Pick one."
+    ask = "Guess." if show_rule is None else f"Which one is {CATEGORIES[k][1]}?" if show_rule else "Pick one."
     return f"{where}: {ask} {menu(words)}"
 
 
@@ -199,6 +206,8 @@ class DecisionsEnv(Env):
         self.n = o.choices
         self.items = [shrink(x["options"], x["answer"], self.n) for x in task.params["decisions"][: self.d]]
         """Per decision: (its menu of words, the right letter)."""
+        if o.rule == "position":
+            self.items = [(words, POSITION_KEYS[self.n][k]) for k, (words, _) in enumerate(self.items)]
         self.corridor = o.mode == "corridor"
         if self.corridor:
             self.layout = ["decision"] * (o.horizon or 2 * self.d)  # kinds of turns; the room is state
@@ -228,7 +237,7 @@ class DecisionsEnv(Env):
             lines.append("Some turns are free turns: any option is fine there, it does not count.")
         if o.noise_turns:
             lines.append("Some turns are lottery turns: each option pays a hidden random amount.")
-        if not o.show_rule:
+        if not o.show_rule or o.rule == "position":
             lines.append("Each question has its own hidden rule for which option is right.")
         return "\n".join(lines)
 
@@ -239,14 +248,16 @@ class DecisionsEnv(Env):
             return f"{LOTTERY_TEXT} {menu(TURN_MENUS[self.n])}"
         if kind == "free":
             return f"{FREE_TEXT} {menu(TURN_MENUS[self.n])}"
-        return _question(self.room, self.d, self.items[self.room][0], self.options.show_rule, self.corridor)
+        shown = None if self.options.rule == "position" else self.options.show_rule
+        return _question(self.room, self.d, self.items[self.room][0], shown, self.corridor)
 
     def initial_messages(self) -> list[Message]:
         messages: list[Message] = [{"role": "system", "content": self._system()}]
+        position = self.options.rule == "position"
         if self.options.few_shot:
             for question, three, letter in EXAMPLES:
                 words, answer = shrink(three, letter, self.n)
-                ask = question if self.options.show_rule else "Pick one."
+                ask = "Guess." if position else question if self.options.show_rule else "Pick one."
                 messages.append({"role": "user", "content": f"Example. {ask} {menu(words)}"})
                 messages.append({"role": "assistant", "content": choices(words)[LETTERS.index(answer)]})
         return [*messages, {"role": "user", "content": "Now the quiz. " * self.options.few_shot + self._prompt()}]
@@ -366,9 +377,13 @@ _OPTION_RE = re.compile(r"\b([A-C])\) (\w+)")
 
 
 def oracle_policy(messages: list[Message]) -> str:
-    """The option of decision k's category (the pools hold every word); ``A) left`` on other turns."""
+    """The option of decision k's category (the pools hold every word), or of its letter under
+    ``rule: position``; ``A) left`` on other turns."""
     last = str(messages[-1]["content"])
     m, options = _QUESTION_RE.search(last), _OPTION_RE.findall(last)
+    if m and ": Guess." in last:  # rule: position
+        letter = POSITION_KEYS[len(options)][int(m.group(1)) - 1]
+        return next(f"{x}) {w}" for x, w in options if x == letter)
     category = CATEGORIES[int(m.group(1)) - 1][0] if m else None
     return next((f"{letter}) {w}" for letter, w in options if WORD_CATEGORY.get(w) == category), "A) left")
 
