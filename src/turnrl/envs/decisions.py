@@ -1,8 +1,9 @@
 """Decisions: D independent quiz decisions per episode, with the knobs credit theory names.
 
-Each *decision* is one question with three options and one right answer, a reply of one letter::
+Each *decision* is one question with two options (``choices: 3``: three) and one right answer,
+a reply of a letter and a word (``B) grape``; three worked examples open the chat)::
 
-    Question 2 of 4: Which one is a fruit? A) hammer B) grape C) tea
+    Question 2 of 4: Which one is a fruit? A) hammer B) grape
 
 Decision k of every task asks about its own category (k = 1..8: animal, fruit, colour, tool,
 vehicle, body part, drink, weather), so no two decisions of an episode share a rule
@@ -18,8 +19,9 @@ decision itself. Rewards (``reward: per_turn``):
 
 - decision correct: ``1/D``, wrong or malformed: 0 (so the return is the fraction correct);
 - free turn: 0, whatever the reply (entropy, no reward effect);
-- lottery turn: one of ``−noise, 0, +noise`` by the letter chosen (a permutation fixed per task
-  and turn, unrelated to anything the model can see), 0 for a malformed reply.
+- lottery turn: ``−noise`` or ``+noise`` by the option chosen (three options: ``−noise, 0,
+  +noise``; a permutation fixed per task and turn, unrelated to anything the model can see), 0
+  for a malformed reply.
 
 ``reward: terminal`` pays the same total at the last turn and 0 before it. An episode is a
 ``success`` when every decision is right. ``mode: corridor`` (recurring states): the decisions
@@ -31,7 +33,7 @@ success = the exit. ``state_key()`` is the position in the layout (chain) or the
 
 Parsing is lenient (the format is not the point): a reply that is one letter, starts with one
 (``B) grape``), says ``answer is B``, or names an option's word counts as that option;
-``strict: true`` accepts only the bare letters :meth:`DecisionsEnv.action_choices` lists, so
+``strict: true`` accepts only the menu replies :meth:`DecisionsEnv.action_choices` lists, so
 that every other reply is malformed (the exact credit audit's contract). A malformed reply on a
 decision counts as wrong (``failure_reward`` 0) and the next message says so; it never ends
 the episode. Tasks ship as files (``turnrl/data/decisions_{train,eval}.jsonl``, rebuilt by
