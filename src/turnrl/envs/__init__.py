@@ -30,6 +30,7 @@ ENV_REGISTRY: dict[str, str | type[Env]] = {
     "key_door": "turnrl.envs.key_door:KeyDoorEnv",
     "key_door_tools": "turnrl.envs.key_door.env:KeyDoorToolsEnv",
     "probe_commit": "turnrl.envs.probe_commit:ProbeCommitEnv",
+    "decisions": "turnrl.envs.decisions:DecisionsEnv",
 }
 
 
