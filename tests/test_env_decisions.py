@@ -58,7 +58,8 @@ def test_the_first_task_reads_as_built():
     assert env.items[0] == (["lion", "mist"], "A")
     last = env.initial_messages()[-1]["content"]
     assert last == "Now the quiz. Question 1 of 4: Which one is an animal? A) lion B) mist"
-    assert env.action_choices() == ["A) lion", "B) mist"]
+    assert env.action_choices() is None  # lenient parsing: off-menu replies are not one outcome
+    assert make_env(TASK, strict=True).action_choices() == ["A) lion", "B) mist"]
 
 
 def test_per_turn_rewards_by_hand():
@@ -202,7 +203,7 @@ def test_action_choices_enumerate_the_turn_and_off_menu_replies_share_one_outcom
         outcomes.append((r.reward, r.messages, twin.correct, twin.malformed))
     assert sorted(o[0] for o in outcomes[:2]) == [0.0, 0.5]  # exactly one choice is right
     assert outcomes[2] == outcomes[3] == outcomes[4] and outcomes[2][3] == 1  # one malformed branch
-    assert make_env(TASK, choices=3).action_choices() == ["A) lion", "B) mist", "C) indigo"]
+    assert make_env(TASK, choices=3, strict=True).action_choices() == ["A) lion", "B) mist", "C) indigo"]
 
 
 def test_deterministic_and_deep_copyable_after_turn_one():

@@ -271,12 +271,14 @@ class DecisionsEnv(Env):
         nothing ahead); corridor: ``("room", r)`` (rooms recur: gigpo's anchor states)."""
         return ("room", self.room) if self.corridor else ("turn", self.turn)
 
-    def action_choices(self) -> list[str]:
-        """The canonical replies to the next turn's menu, ``["A) lion", "B) mist", "C) indigo"]``
-        (free and lottery turns: ``A) left`` ...). With ``strict: true`` every other reply is
-        malformed (a decision: wrong; a lottery: 0; a free turn: nothing). Lenient parsing also
-        reads ``B``, ``B) anything`` or ``mist`` as B, so an exact audit that lumps off-menu replies
-        into one malformed branch is exact only with ``strict: true``."""
+    def action_choices(self) -> list[str] | None:
+        """With ``strict: true``, the canonical replies to the next turn's menu, ``["A) lion", "B) mist",
+        "C) indigo"]`` (free and lottery turns: ``A) left`` ...), every other reply malformed (a
+        decision: wrong; a lottery: 0; a free turn: nothing) — the hook's contract. Lenient parsing
+        (the default) also reads ``B``, ``B) anything`` or ``mist`` as B, so there off-menu replies are
+        not one outcome and the set is not declared (None: an exact audit refuses the run)."""
+        if not self.options.strict:
+            return None
         if self.turn >= len(self.layout) or self.layout[self.turn] != "decision":
             return choices(TURN_MENUS[self.n])
         return choices(self.items[self.room][0])
