@@ -369,9 +369,14 @@ def exact_ground_truth(
         rewards = [float(t.reward or 0.0) for t in ep.turns]
         for k, q in enumerate(_returns_to_go(rewards, values, gamma)):
             rows.append((i, k, q, values[k], q - values[k], 0.0))
-    cols = list(zip(*rows, strict=True)) if rows else [()] * 6
+    table = np.asarray(rows, dtype=float).reshape(-1, 6)  # episode, turn, Q, V, A*, se
     truth = GroundTruth(
-        *(np.asarray(c, dtype=float if j > 1 else int) for j, c in enumerate(cols)),
+        episode=table[:, 0].astype(int),
+        turn=table[:, 1].astype(int),
+        q=table[:, 2],
+        v=table[:, 3],
+        a_star=table[:, 4],
+        se=table[:, 5],
         replay_exact_frac=float(np.mean(on_tree)) if on_tree else 1.0,
     )
     stats = {
