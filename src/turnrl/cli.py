@@ -313,9 +313,19 @@ def credit_audit_(
         Path | None,
         typer.Option(help="Audit the first --episodes episodes of this record file (written by TRL, verl, ...)."),
     ] = None,
+    exact: Annotated[
+        bool,
+        typer.Option(
+            "--exact", help="Exact A* where the environment offers a finite menu of replies (each choice scored)."
+        ),
+    ] = False,
+    max_nodes: Annotated[
+        int, typer.Option(help="--exact: most states where the policy acts in one task's tree (1..100,000).")
+    ] = 1000,
     set_: SetOpt = None,
 ) -> None:
-    """How right each credit estimator is, per turn, against Monte-Carlo A* = Q − V (docs/algorithms.md)."""
+    """How right each credit estimator is, per turn, against A* = Q − V: Monte-Carlo, or exact with --exact
+    (docs/algorithms.md)."""
     try:
         from turnrl.audit.run import AuditSettings, credit_audit, parse_shapes
 
@@ -328,6 +338,8 @@ def credit_audit_(
             split=split,
             shapes=parse_shapes(shapes),
             num_tasks=num_tasks,
+            exact=exact,
+            max_nodes=max_nodes,
         )  # before the config and the model: a bad option costs nothing
         cfg = _load(config, set_)
         credit_audit(cfg, settings, out, console, adapter=adapter, scripted=scripted, records=records)

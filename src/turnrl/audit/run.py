@@ -22,6 +22,15 @@ from turnrl.audit.core import (
     ground_truth,
     sample_episodes,
 )
+from turnrl.audit.exact import (
+    DEFAULT_MAX_NODES,
+    MAX_EXACT_NODES,
+    Scorer,
+    check_sampling,
+    check_trees,
+    exact_ground_truth,
+    policy_scorer,
+)
 from turnrl.audit.metrics import audit_metrics
 from turnrl.audit.records import recorded_episodes
 from turnrl.bounded import (
@@ -59,6 +68,10 @@ class AuditSettings(Section):
         Field(None, min_length=1, max_length=MAX_AUDIT_SHAPES)
     )
     num_tasks: int | None = Field(None, ge=1, le=MAX_AUDIT_TASKS)
+    exact: bool = False
+    """Exact A* by enumerating a finite action set (:mod:`turnrl.audit.exact`) instead of Monte Carlo."""
+    max_nodes: int = Field(DEFAULT_MAX_NODES, ge=1, le=MAX_EXACT_NODES)
+    """``--exact``: the most states where the policy acts in one task's tree."""
 
     @model_validator(mode="after")
     def _per_call(self) -> AuditSettings:
@@ -105,13 +118,25 @@ def parse_shapes(text: str | None) -> list[tuple[int, int]] | None:
 
 
 def run_audit(
-    rollouts: Rollouts, tasks, settings: AuditSettings, arms: list[EstimatorArm], recorded=None
+    rollouts: Rollouts,
+    tasks,
+    settings: AuditSettings,
+    arms: list[EstimatorArm],
+    recorded=None,
+    scorer: Scorer | None = None,
 ) -> dict[str, Any]:
     """Both stages on ``tasks`` with ``rollouts``; the report as a JSON-able dict. ``recorded``: (tasks,
-    episodes) to audit instead of sampling them (:func:`turnrl.audit.records.recorded_episodes`)."""
+    episodes) to audit instead of sampling them (:func:`turnrl.audit.records.recorded_episodes`). With
+    ``settings.exact``, A* is enumerated with ``scorer`` (the policy's log-probs) instead of sampled."""
     t0 = time.perf_counter()
     chosen, audited = recorded or sample_episodes(tasks, settings.episodes, rollouts)
-    truth = ground_truth(chosen, audited, rollouts, settings.continuations, settings.gamma)
+    exact = None
+    if settings.exact:
+        if scorer is None:
+            raise ValueError("--exact needs a scorer of the policy (its log-prob of each choice)")
+        truth, exact = exact_ground_truth(chosen, audited, rollouts, scorer, settings.max_nodes, settings.gamma)
+    else:
+        truth = ground_truth(chosen, audited, rollouts, settings.continuations, settings.gamma)
     gt_cost, t_gt = rollouts.cost(), time.perf_counter() - t0
     ahat = estimator_runs(chosen, audited, rollouts, arms, settings.leaves, settings.repeats)
     total = rollouts.cost()
@@ -127,6 +152,8 @@ def run_audit(
             "frac_resolved": float(np.mean(abs_a > 2 * truth.se)) if abs_a.size else float("nan"),
             "replay_exact_frac": truth.replay_exact_frac,
             "audited_reward_mean": float(np.mean([e.reward for e in audited])),
+            "method": "exact" if exact is not None else "monte_carlo",
+            "exact": exact,
         },
         "estimators": estimators,
         "cost": {
@@ -163,7 +190,8 @@ def _fmt(x: float, pct: bool = False) -> str:
 def audit_table(report: dict[str, Any]) -> Table:
     """One row per estimator × turn index (and all turns)."""
     gt = report["ground_truth"]
-    table = Table(title="credit audit: estimators against Monte-Carlo A*")
+    exact = gt.get("exact")
+    table = Table(title=f"credit audit: estimators against {'exact' if exact else 'Monte-Carlo'} A*")
     for col in ("estimator", "turn", "n", "corr ± se", "MSE", "MSE (std.)", "sign", "var", "SNR ± se"):
         table.add_column(col, justify="left" if col == "estimator" else "right")
     for label, per_turn in report["estimators"].items():
@@ -180,13 +208,25 @@ def audit_table(report: dict[str, Any]) -> Table:
                 f"{_fmt(m['snr'])} ± {_fmt(m['snr_se'])}",
             )
     cost = report["cost"]["total"]
-    table.caption = (
-        f"A*: mean |A*| {gt['mean_abs_a_star']:.3f}, mean se {gt['mean_se']:.3f}, "
+    truth = (
+        f"A* exact: mean |A*| {gt['mean_abs_a_star']:.3f}, {exact['states_scored']} states scored, audited states on"
+        f" the tree {exact['on_tree_frac']:.0%}, malformed mass mean {exact['malformed_mass_mean']:.3f}"
+        f"{_approximate(exact)}. "
+        if exact
+        else f"A*: mean |A*| {gt['mean_abs_a_star']:.3f}, mean se {gt['mean_se']:.3f}, "
         f"{gt['frac_resolved']:.0%} of turns with |A*| > 2 se; replay exact {gt['replay_exact_frac']:.0%}. "
-        f"Cost: {cost['model_turns']} model turns, {cost['new_tokens']} new tokens, "
+    )
+    table.caption = (
+        f"{truth}Cost: {cost['model_turns']} model turns, {cost['new_tokens']} new tokens, "
         f"{report['cost']['seconds_total']} s"
     )
     return table
+
+
+def _approximate(exact: dict[str, Any]) -> str:
+    """The caption's warning where an exact V passes a malformed reply that continues (W > 0)."""
+    w = exact.get("approx_mass_max") or 0.0
+    return f"; approximate past malformed replies that continue (W up to {w:.3f})" if w > 0 else ""
 
 
 def audit_plot(report: dict[str, Any], path: Path) -> Path:
@@ -207,7 +247,8 @@ def audit_plot(report: dict[str, Any], path: Path) -> Path:
             y = [v if math.isfinite(v) else np.nan for v in y]
             err = [e if math.isfinite(e) else 0.0 for e in err]
             ax.errorbar(ts, y, yerr=err, marker="o", capsize=3, label=label)
-    axes[0].set(xlabel="turn", ylabel="corr(Â, A*)", title="correlation with Monte-Carlo A*")
+    kind = "exact" if report["ground_truth"].get("exact") else "Monte-Carlo"
+    axes[0].set(xlabel="turn", ylabel="corr(Â, A*)", title=f"correlation with {kind} A*")
     axes[1].set(xlabel="turn", ylabel="SNR", title="gradient SNR (projection on the A* direction)")
     for ax in axes:
         ax.axhline(0, color="grey", lw=0.5)
@@ -231,17 +272,26 @@ def credit_audit(
 ) -> dict[str, Any]:
     """The ``turnrl credit-audit`` command: the policy of ``cfg`` (or ``adapter`` / ``scripted``), its
     episodes collected, rendered and sampled as training collects them (:meth:`RunSettings.from_config`);
-    with ``records``, the audited episodes are that file's first ``settings.episodes``."""
+    with ``records``, the audited episodes are that file's first ``settings.episodes``. With ``settings.exact``,
+    every audited task's tree is checked (finite menus, ``max_nodes``) before the model loads."""
     arms = default_arms(settings.leaves, settings.shapes)
     run = RunSettings.from_config(cfg)
     tasks = run.tasks.tasks(settings.split)
     if settings.num_tasks:
         tasks = tasks[: settings.num_tasks]
     recorded = None if records is None else recorded_episodes(records, tasks, settings.episodes, settings.split)
+    params = run.sampler.sampling(run.seed)
+    if settings.exact:
+        if scripted:
+            raise ValueError("--exact scores each choice with the policy's model; a scripted policy has none")
+        check_sampling(params, run.eval.rollout)
+        audited_tasks = recorded[0] if recorded else [tasks[i % len(tasks)] for i in range(settings.episodes)]
+        check_trees(audited_tasks, run.eval.rollout, settings.max_nodes)
     sampler, tokenizer, label = policy_sampler(run, adapter=adapter, scripted=scripted)
     chat = run.chat.template(tokenizer)
-    rollouts = Rollouts(sampler, chat, run.sampler.sampling(run.seed), run.eval.rollout)
-    report = run_audit(rollouts, tasks, settings, arms, recorded)
+    rollouts = Rollouts(sampler, chat, params, run.eval.rollout)
+    scorer = policy_scorer(sampler, chat, params) if settings.exact else None
+    report = run_audit(rollouts, tasks, settings, arms, recorded, scorer)
     report["records"] = None if records is None else str(records)
     report["policy"] = label
     report["env"] = run.tasks.env_name
