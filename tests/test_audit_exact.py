@@ -309,6 +309,8 @@ def test_cli_refuses_a_tree_over_the_bound(tmp_path, monkeypatch):
     _fails(["credit-audit", _config(tmp_path, "duo"), "--exact", "--max-nodes", "2"], "more than --max-nodes 2")
     _fails(["credit-audit", _config(tmp_path, "duo"), "--exact", "--scripted", "x"], "scripted policy")
     _fails(["credit-audit", _config(tmp_path, "duo", sampler={"max_tokens": 4, "top_p": 0.5}), "--exact"], "top_p")
+    bf16 = {"max_tokens": 4, "decode_dtype": "bfloat16"}  # samples from another distribution
+    _fails(["credit-audit", _config(tmp_path, "duo", sampler=bf16), "--exact"], "decode_dtype is not float32")
 
 
 def test_cli_bounds_of_max_nodes(tmp_path, monkeypatch):

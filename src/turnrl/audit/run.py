@@ -285,6 +285,11 @@ def credit_audit(
         if scripted:
             raise ValueError("--exact scores each choice with the policy's model; a scripted policy has none")
         check_sampling(params, run.eval.rollout)
+        if run.sampler.params.differs_from_trainer:  # e.g. hf's decode_dtype: bfloat16
+            raise ValueError(
+                "--exact scores each choice in float32 with the policy's model, and this sampler samples from"
+                " another distribution (sampler.params.decode_dtype is not float32): set it to float32"
+            )
         audited_tasks = recorded[0] if recorded else [tasks[i % len(tasks)] for i in range(settings.episodes)]
         check_trees(audited_tasks, run.eval.rollout, settings.max_nodes)
     sampler, tokenizer, label = policy_sampler(run, adapter=adapter, scripted=scripted)
