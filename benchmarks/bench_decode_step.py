@@ -28,45 +28,18 @@ Run (under the machine's lock, ~1-2 min): ``PYTHONPATH=src python benchmarks/ben
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.nn.functional as F
+from _common import load, matmul_rate, read_bandwidth  # the script's directory is on sys.path
 
 from turnrl.config import ModelConfig, parse_config
 from turnrl.models import attach_lora, load_model
-from turnrl.sampling.decode import PackedDecoder
 from turnrl.sampling.hf import _preallocated_cache
 from turnrl.sampling.merged_lora import MergedLoRA
-
-
-def load() -> str:
-    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
-    """Bytes per second of summing a ``gib`` GiB float32 tensor (best of ``repeats``)."""
-    x = torch.ones(int(gib * 2**30) // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
-
-
-def matmul_rate(repeats: int = 5) -> float:
-    """FLOP/s of a float32 ``[4096, 576] @ [576, 1536]`` matmul (best of ``repeats``)."""
-    a, b = torch.randn(4096, 576), torch.randn(576, 1536)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * 4096 * 576 * 1536 / best
+from turnrl.sampling.packed import PackedDecoder
 
 
 class PlainLinear:

@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import statistics
 import time
 from pathlib import Path
 
 import torch
+from _common import load, matmul_rate, read_bandwidth  # the script's directory is on sys.path
 
 from turnrl.chat import ChatTemplate
 from turnrl.config import load_config
@@ -66,33 +66,6 @@ from turnrl.train.policy import PolicySettings, build_policy
 from turnrl.train.settings import RunSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load() -> str:
-    return "load {:.2f} {:.2f} {:.2f}".format(*os.getloadavg())
-
-
-def read_bandwidth(gib: float = 1.0, repeats: int = 3) -> float:
-    """Bytes per second of summing a ``gib`` GiB float32 tensor (best of ``repeats``)."""
-    x = torch.ones(int(gib * 2**30) // 4)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        best = min(best, time.perf_counter() - t)
-    return x.numel() * 4 / best
-
-
-def matmul_rate(repeats: int = 5) -> float:
-    """FLOP/s of a float32 ``[4096, 576] @ [576, 1536]`` matmul (the model's MLP shape; best of ``repeats``)."""
-    a, b = torch.randn(4096, 576), torch.randn(576, 1536)
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - t)
-    return 2 * 4096 * 576 * 1536 / best
 
 
 class DecodeTimer:

@@ -189,3 +189,38 @@ def test_cli_credit_audit_on_the_toy_env(tmp_path):
     assert "credit audit" in result.output
     bad = CliRunner().invoke(app, ["credit-audit", str(cfg), "--scripted", "random", "--leaves", "1"])
     assert bad.exit_code == 2 and "--leaves" in bad.output
+
+
+# ---- the correlation's ± covers the sampling of the audited games (issue 31 §4)
+
+
+def _audited_set(rng, games: int, turns: int, repeats: int):
+    """``games`` audited games drawn from a population whose games differ in how well the estimator tracks
+    A* there (ρ_g uniform in [-0.2, 1]), the estimator's noise per repeat small: most of a set's error is
+    which games it holds, which the repeats cannot see."""
+    rho = rng.uniform(-0.2, 1.0, games)
+    a_star = rng.normal(size=(games, turns))
+    signal = rho[:, None] * a_star + np.sqrt(1 - rho[:, None] ** 2) * rng.normal(size=(games, turns))
+    ahat = signal.reshape(1, -1) + 0.1 * rng.normal(size=(repeats, games * turns))
+    return ahat, a_star.reshape(-1), np.repeat(np.arange(games), turns)
+
+
+def test_the_games_bootstrap_covers_the_spread_of_fresh_audited_sets():
+    from turnrl.audit.metrics import audit_metrics
+
+    rng = np.random.default_rng(7)
+    corrs, repeat_se, games_se, total_se = [], [], [], []
+    for _ in range(150):
+        ahat, a_star, episode = _audited_set(rng, games=6, turns=3, repeats=4)
+        m = audit_metrics(ahat, a_star, np.zeros_like(a_star), np.zeros(a_star.size, dtype=int), episode)["all"]
+        corrs.append(m["corr"])
+        repeat_se.append(m["corr_se"])
+        games_se.append(m["corr_se_games"])
+        total_se.append(m["corr_se_total"])
+    spread = float(np.std(corrs, ddof=1))  # how far one set of 6 audited games lands from another
+    assert np.median(repeat_se) < spread / 4  # the old ± (repeats alone) misses most of it
+    assert 0.6 < np.median(games_se) / spread < 1.3  # the bootstrap over games finds most of it (0.76 here:
+    # a bootstrap of 6 games runs low, as sqrt(5/6) and the correlation's skew predict)
+    assert np.allclose(total_se, np.sqrt(np.square(repeat_se) + np.square(games_se)))
+    one = audit_metrics(ahat[:, :3], a_star[:3], np.zeros(3), np.zeros(3, dtype=int), np.zeros(3, dtype=int))["all"]
+    assert np.isnan(one["corr_se_games"])  # one game: nothing to resample

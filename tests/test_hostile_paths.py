@@ -12,43 +12,19 @@ import io
 import shutil
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
+from test_experiments import _write_spec
 from turnrl.bounded import path_component
 from turnrl.cli import app
 from turnrl.config import RunConfig, dump_config
 from turnrl.experiments import load_spec, run_experiment
 from turnrl.rundir import RunDirError
 
-BASE = {
-    "run_name": "base",
-    "model": {"name": "tiny"},
-    "env": {"name": "number_guess"},
-    "rollout": {"tasks_per_step": 2, "group_size": 4},
-    "train": {"steps": 4},
-    "tracking": {"backends": ["csv"], "plots": False, "report": False},
-}
-SPEC = {
-    "title": "t",
-    "hypothesis": "h",
-    "base_config": "base.yaml",
-    "seeds": [0],
-    "budget": {"steps": 4},
-    "evaluation": {"every": 2, "n": 100},
-    "arms": [
-        {"name": "a", "overrides": {"credit.estimator": "group_mean"}},
-        {"name": "b", "overrides": {"credit.estimator": "batch_mean"}},
-    ],
-    "primary": {"treatment": "a", "baseline": "b", "metric": "success_rate"},
-}
-
 
 def _spec(tmp_path, file_name: str = "exp.yaml"):
-    (tmp_path / "base.yaml").write_text(yaml.safe_dump(BASE))
-    path = tmp_path / file_name
-    path.write_text(yaml.safe_dump(SPEC))
-    return path
+    """test_experiments' two-arm spec (and its base config), saved as ``file_name`` without a ``name:``."""
+    return _write_spec(tmp_path).rename(tmp_path / file_name)
 
 
 def _refuse(cfg, console=None):

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,14 @@ def read_json_lines(path: str | Path) -> Iterator[tuple[str, dict[str, Any]]]:
             if not isinstance(obj, dict):
                 raise TaskFileError(f"{where}: expected a JSON object, got {type(obj).__name__}")
             yield where, obj
+
+
+def shipped_task_file(env_name: str, files: Mapping[str, str], split: str) -> Path:
+    """The task file an environment ships for ``split`` (``turnrl/data/<files[split]>``), or one
+    ``ValueError`` naming the splits it has."""
+    if split not in files:
+        raise ValueError(f"{env_name} has no split {split!r}; choose {' or '.join(files)}")
+    return Path(str(resources.files("turnrl") / "data" / files[split]))
 
 
 def load_task_file(

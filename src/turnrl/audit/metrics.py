@@ -5,7 +5,10 @@ gave none); ``a_star[j]`` and ``se[j]``, the ground truth and its standard error
 the turn index. Definitions (ALGORITHMS.md §5, docs/algorithms.md "Credit audit"):
 
 * ``corr``: per repeat, Pearson r(Â_r, A*) over the turns of that index; mean over repeats,
-  ``corr_se`` = std over repeats / √R.
+  ``corr_se`` = std over repeats / √R (the audited games held fixed). ``corr_se_games``: the
+  bootstrap SE over the audited games (the episodes resampled with replacement, each with all its
+  turns, ``corr`` recomputed; std over :data:`GAME_DRAWS` draws), the spread a fresh set of audited
+  games would show; ``corr_se_total`` = √(corr_se² + corr_se_games²), the ± the table prints.
 * ``mse``: mean over (r, j) of (Â − A*)²; ``mse_std`` the same after standardising Â_r and A*
   over all audited turns of a repeat (scale-free: GRPO-style estimators are scaled).
 * ``sign``: the fraction of (r, j) with sign(Â) = sign(A*) among turns with |A*| > 2·se
@@ -53,6 +56,32 @@ def _finite_std(x: list[float]) -> float:
     return float(np.std(v, ddof=1)) if v.size > 1 else float("nan")
 
 
+GAME_DRAWS = 200
+"""Bootstrap draws of the audited games behind ``corr_se_games``."""
+
+
+def _mean_corr(ahat: np.ndarray, a_star: np.ndarray) -> float:
+    corrs = [c for c in (_corr(ahat[r], a_star) for r in range(ahat.shape[0])) if np.isfinite(c)]
+    return float(np.mean(corrs)) if corrs else float("nan")
+
+
+def games_se(ahat: np.ndarray, a_star: np.ndarray, episode: np.ndarray, draws: int = GAME_DRAWS) -> float:
+    """Bootstrap SE of the mean-over-repeats correlation over the audited games: each draw takes as
+    many episodes as were audited, with replacement, each with all of its turns (columns); seeded, so
+    an audit's report is reproducible. NaN with fewer than two games."""
+    ahat, a_star, episode = np.asarray(ahat, dtype=float), np.asarray(a_star, dtype=float), np.asarray(episode)
+    games = np.unique(episode)
+    if games.size < 2:
+        return float("nan")
+    columns = [np.flatnonzero(episode == g) for g in games]
+    rng = np.random.default_rng(0)
+    values = []
+    for _ in range(draws):
+        pick = np.concatenate([columns[i] for i in rng.integers(0, games.size, games.size)])
+        values.append(_mean_corr(ahat[:, pick], a_star[pick]))
+    return _finite_std(values)
+
+
 def turn_metrics(ahat: np.ndarray, a_star: np.ndarray, se: np.ndarray) -> dict[str, float]:
     """The metrics of one estimator on one set of turns (columns of ``ahat``)."""
     ahat = np.asarray(ahat, dtype=float)
@@ -84,11 +113,12 @@ def turn_metrics(ahat: np.ndarray, a_star: np.ndarray, se: np.ndarray) -> dict[s
 
 
 def audit_metrics(
-    ahat: np.ndarray, a_star: np.ndarray, se: np.ndarray, turn: np.ndarray
+    ahat: np.ndarray, a_star: np.ndarray, se: np.ndarray, turn: np.ndarray, episode: np.ndarray | None = None
 ) -> dict[str, dict[str, float]]:
     """Metrics per turn index (keys ``"1"``, ``"2"``, … 1-based) and over all turns (``"all"``).
 
     ``mse_std`` standardises Â_r and A* over all audited turns of the repeat, then splits by index.
+    ``episode`` (each column's audited episode) adds ``corr_se_games`` and ``corr_se_total``.
     """
     ahat = np.asarray(ahat, dtype=float)
     a_star = np.asarray(a_star, dtype=float)
@@ -100,5 +130,9 @@ def audit_metrics(
         cols = np.ones_like(turn, dtype=bool) if t is None else turn == t
         m = turn_metrics(ahat[:, cols], a_star[cols], np.asarray(se)[cols])
         m["mse_std"] = float(np.nanmean((z_hat[:, cols] - z_star[None, cols]) ** 2))
+        if episode is not None:
+            m["corr_se_games"] = games_se(ahat[:, cols], a_star[cols], np.asarray(episode)[cols])
+            parts = [x for x in (m["corr_se"], m["corr_se_games"]) if np.isfinite(x)]
+            m["corr_se_total"] = float(np.sqrt(sum(x * x for x in parts))) if parts else float("nan")
         out["all" if t is None else str(int(t) + 1)] = m
     return out

@@ -140,7 +140,9 @@ def run_audit(
     gt_cost, t_gt = rollouts.cost(), time.perf_counter() - t0
     ahat = estimator_runs(chosen, audited, rollouts, arms, settings.leaves, settings.repeats)
     total = rollouts.cost()
-    estimators = {a.label: audit_metrics(ahat[a.label], truth.a_star, truth.se, truth.turn) for a in arms}
+    estimators = {
+        a.label: audit_metrics(ahat[a.label], truth.a_star, truth.se, truth.turn, truth.episode) for a in arms
+    }
     abs_a = np.abs(truth.a_star)
     return {
         "settings": {**settings.model_dump(), "shapes": [list(a.shape) for a in arms if a.shape is not None]},
@@ -200,7 +202,7 @@ def audit_table(report: dict[str, Any]) -> Table:
                 label if t == "1" else "",
                 t,
                 str(m["n_turns"]),
-                f"{_fmt(m['corr'])} ± {_fmt(m['corr_se'])}",
+                f"{_fmt(m['corr'])} ± {_fmt(m.get('corr_se_total', m['corr_se']))}",
                 _fmt(m["mse"]),
                 _fmt(m["mse_std"]),
                 f"{_fmt(m['sign'], pct=True)} ({m['sign_n']})",
@@ -217,7 +219,8 @@ def audit_table(report: dict[str, Any]) -> Table:
         f"{gt['frac_resolved']:.0%} of turns with |A*| > 2 se; replay exact {gt['replay_exact_frac']:.0%}. "
     )
     table.caption = (
-        f"{truth}Cost: {cost['model_turns']} model turns, {cost['new_tokens']} new tokens, "
+        f"{truth}corr ± covers the repeats and the audited games (a bootstrap over them). "
+        f"Cost: {cost['model_turns']} model turns, {cost['new_tokens']} new tokens, "
         f"{report['cost']['seconds_total']} s"
     )
     return table

@@ -45,14 +45,13 @@ from __future__ import annotations
 import json
 import random
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from pydantic import Field, model_validator
 
 from turnrl.envs.base import Env, EnvOptions
-from turnrl.tasks import load_task_file
+from turnrl.tasks import load_task_file, shipped_task_file
 from turnrl.types import Message, StepResult, StopReason, Task
 
 LETTERS = ("A", "B", "C")
@@ -348,9 +347,7 @@ class DecisionsEnv(Env):
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """The shipped tasks: ``train`` (48, train word pools) or ``eval`` (30, held-out words)."""
         cls.parse_options(options)
-        if split not in FILE_NAMES:
-            raise ValueError(f"decisions has no split {split!r}; choose train or eval")
-        return cls.load_tasks(Path(str(resources.files("turnrl") / "data" / FILE_NAMES[split])), split)
+        return cls.load_tasks(shipped_task_file(cls.name, FILE_NAMES, split), split)
 
     @classmethod
     def load_tasks(cls, path: str | Path, split: str | None = None) -> list[Task]:

@@ -26,12 +26,11 @@ from __future__ import annotations
 
 import random
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Any, ClassVar
 
 from turnrl.envs.base import Env, EnvOptions
-from turnrl.tasks import load_task_file
+from turnrl.tasks import load_task_file, shipped_task_file
 from turnrl.types import Message, StepResult, StopReason, Task
 
 LOW, HIGH = 1, 9
@@ -191,9 +190,7 @@ class ProbeCommitEnv(Env):
     def default_tasks(cls, split: str, **options: Any) -> list[Task]:
         """The shipped tasks: ``train`` (45, train word pool) or ``eval`` (27, held-out words)."""
         cls.parse_options(options)
-        if split not in FILE_NAMES:
-            raise ValueError(f"probe_commit has no split {split!r}; choose train or eval")
-        return cls.load_tasks(Path(str(resources.files("turnrl") / "data" / FILE_NAMES[split])), split)
+        return cls.load_tasks(shipped_task_file(cls.name, FILE_NAMES, split), split)
 
     @classmethod
     def load_tasks(cls, path: str | Path, split: str | None = None) -> list[Task]:
