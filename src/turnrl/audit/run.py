@@ -272,12 +272,13 @@ def credit_audit(
     adapter=None,
     scripted: str | None = None,
     records: Path | None = None,
+    arms: list[EstimatorArm] | None = None,
 ) -> dict[str, Any]:
     """The ``turnrl credit-audit`` command: the policy of ``cfg`` (or ``adapter`` / ``scripted``), its
     episodes collected, rendered and sampled as training collects them (:meth:`RunSettings.from_config`);
     with ``records``, the audited episodes are that file's first ``settings.episodes``. With ``settings.exact``,
     every audited task's tree is checked (finite menus, ``max_nodes``) before the model loads."""
-    arms = default_arms(settings.leaves, settings.shapes)
+    arms = default_arms(settings.leaves, settings.shapes) if arms is None else arms
     run = RunSettings.from_config(cfg)
     tasks = run.tasks.tasks(settings.split)
     if settings.num_tasks:

@@ -25,6 +25,7 @@ from turnrl.config import RunConfig, read_config_data, resume_conflicts, upgrade
 from turnrl.envs.splits import TaskSource
 from turnrl.experiments.extra import Evaluator, add_extra_games
 from turnrl.experiments.plan import PlannedRun, plan_runs
+from turnrl.experiments.prediction import compare_ordering, prediction_lines, run_prediction
 from turnrl.experiments.report import (
     VERDICT_RULE,
     compute_tables,
@@ -125,6 +126,10 @@ def run_experiment(
     resolve_runs(plan)
     exp_dir = Path(output_root) / name
     exp_dir.mkdir(parents=True, exist_ok=True)
+    prediction = None
+    if spec.audit is not None:  # stated before any arm trains
+        baseline = spec.primary.baseline if spec.primary is not None else plan[0].arm
+        prediction = run_prediction(plan, baseline, spec.audit, exp_dir, console)
     started = time.perf_counter()
     spread = any(m not in RATE_METRICS for m in spec.metrics())  # SE from the eval episodes
     results: list[RunResult] = []
@@ -158,7 +163,9 @@ def run_experiment(
     ran = sum(not r.reused for r in results)
     console.print(f"ran {ran} of {len(results)} runs in {time.perf_counter() - started:.0f} s")
     wall_s = sum(r.wall_s or 0.0 for r in results)
-    return report_experiment(spec, plan, results, exp_dir, console=console, out=out, wall_s=wall_s)
+    return report_experiment(
+        spec, plan, results, exp_dir, console=console, out=out, wall_s=wall_s, prediction=prediction
+    )
 
 
 def report_experiment(
@@ -170,8 +177,10 @@ def report_experiment(
     console: Console,
     out: TextIO,
     wall_s: float,
+    prediction: dict[str, Any] | None = None,
 ) -> ExperimentResult:
-    """Table, plot, ``experiment.json``, ``summary.md`` and the ``RESULT`` line from finished runs."""
+    """Table, plot, ``experiment.json``, ``summary.md`` and the ``RESULT`` line from finished runs
+    (``prediction``: the audit's, :mod:`turnrl.experiments.prediction`, compared with the outcome)."""
     name = spec.experiment_name()
     metric = spec.evaluation.metric
     arms = {arm.name: arm_summary([r for r in results if r.arm == arm.name], metric) for arm in spec.all_arms()}
@@ -190,6 +199,11 @@ def report_experiment(
         for line in criterion_lines(criterion):
             console.print(line.replace("**", ""), highlight=False)
         console.print(styled((f"verdict: {verdict}", "bold")))
+    ordering = None
+    if prediction is not None:
+        ordering = compare_ordering(prediction, {a: s["after"] for a, s in arms.items() if s["after"] is not None})
+        for line in prediction_lines(prediction, ordering):
+            console.print(line, highlight=False)
     plot = None
     if any(r.eval_rows or r.train_rows for r in results):
         plot = plot_experiment(results, metric, exp_dir / "experiment.png", spec.title)
@@ -206,6 +220,8 @@ def report_experiment(
         "verdict": verdict,
         "criterion": criterion.to_dict() if criterion else None,
         "verdict_rule": VERDICT_RULE,
+        "prediction": prediction,
+        "ordering": ordering,
         "wall_s": wall_s,
         "runs": [
             {
@@ -226,6 +242,8 @@ def report_experiment(
     text = json.dumps(json_safe(payload), indent=2, allow_nan=False)
     atomic_write_text(exp_dir / "experiment.json", text)
     summary = summary_markdown(spec, name, plan, arms, metric, criterion, plot, wall_s, primary)
+    if prediction is not None:
+        summary = summary.rstrip("\n") + "\n\n" + "\n".join(prediction_lines(prediction, ordering)) + "\n"
     atomic_write_text(exp_dir / "summary.md", summary)
     console.print(f"experiment directory: {exp_dir}")
     line = result_line(name, metric, arms, verdict, criterion, primary)

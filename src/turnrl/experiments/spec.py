@@ -23,7 +23,14 @@ from pydantic import (
     model_validator,
 )
 
-from turnrl.bounded import NAME_PATTERN, path_component
+from turnrl.bounded import (
+    MAX_AUDIT_EPISODES,
+    MAX_AUDIT_REPEATS,
+    MAX_AUDIT_TASKS,
+    MAX_GROUP,
+    NAME_PATTERN,
+    path_component,
+)
 from turnrl.config import ConfigError, format_errors, read_config_data
 
 MetricName = Literal["success_rate", "mean_reward"]
@@ -92,6 +99,18 @@ class Evaluation(_Strict):
     extra_games: int = Field(0, ge=0)
     """More held-out games for each finished run's final policy, sampled with fresh seeds and pooled with
     its last evaluation (:mod:`turnrl.experiments.extra`); 0: none."""
+
+
+class AuditPlan(_Strict):
+    """``audit:``: the credit audit of the starting policy before any arm trains (``turnrl credit-audit``'s
+    options; the leaves are the primary baseline's episodes per task, so every arm is audited at equal
+    leaves; :mod:`turnrl.experiments.prediction`)."""
+
+    episodes: int = Field(8, ge=1, le=MAX_AUDIT_EPISODES)
+    continuations: int = Field(8, ge=2, le=MAX_GROUP)
+    repeats: int = Field(4, ge=2, le=MAX_AUDIT_REPEATS)
+    split: Literal["train", "eval"] = "train"
+    num_tasks: int | None = Field(None, ge=1, le=MAX_AUDIT_TASKS)
 
 
 class MarginCriterion(_Strict):
@@ -212,6 +231,8 @@ class ExperimentSpec(_Strict):
     evaluation: Evaluation = Evaluation()
     arms: list[Arm] = Field(min_length=1)
     ladder: Ladder | None = None
+    audit: AuditPlan | None = None
+    """The credit audit of the starting policy and its per-arm prediction, before training (None: none)."""
     criterion: Criterion | None = None
     primary: Primary | None = None
     """Required with two or more arms (the validator says how to state it); None so the message is ours."""
