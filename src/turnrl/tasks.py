@@ -72,6 +72,19 @@ def shipped_task_file(env_name: str, files: Mapping[str, str], split: str) -> Pa
     return Path(str(resources.files("turnrl") / "data" / files[split]))
 
 
+def write_task_files(out_dir: str | Path, files: Mapping[str, str], make: Callable[[str], list[Task]]) -> list[Path]:
+    """Write each split's tasks (``make(split)``) as the JSONL task file ``out_dir/files[split]``, one line per
+    task (``task_id``, ``env``, ``split`` and its params): how an environment rebuilds the files it ships."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for split, name in files.items():
+        lines = [json.dumps({"task_id": t.task_id, "env": t.env, "split": split, **t.params}) for t in make(split)]
+        (out / name).write_text("\n".join(lines) + "\n")
+        paths.append(out / name)
+    return paths
+
+
 def load_task_file(
     path: str | Path, split: str | None = None, validate: Callable[[Task, str], None] | None = None
 ) -> list[Task]:

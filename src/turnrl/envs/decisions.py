@@ -42,7 +42,6 @@ the episode. Tasks ship as files (``turnrl/data/decisions_{train,eval}.jsonl``, 
 
 from __future__ import annotations
 
-import json
 import random
 import re
 from pathlib import Path
@@ -51,7 +50,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import Field, model_validator
 
 from turnrl.envs.base import Env, EnvOptions
-from turnrl.tasks import load_task_file, shipped_task_file
+from turnrl.tasks import load_task_file, shipped_task_file, write_task_files
 from turnrl.types import Message, StepResult, StopReason, Task
 
 LETTERS = ("A", "B", "C")
@@ -426,13 +425,4 @@ def make_tasks(split: str, seed: int = 0) -> list[Task]:
 
 def build_tasks(out_dir: str | Path) -> list[Path]:
     """Write ``decisions_train.jsonl`` and ``decisions_eval.jsonl`` (the shipped files)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for split, name in FILE_NAMES.items():
-        lines = [
-            json.dumps({"task_id": t.task_id, "env": t.env, "split": split, **t.params}) for t in make_tasks(split)
-        ]
-        (out / name).write_text("\n".join(lines) + "\n")
-        paths.append(out / name)
-    return paths
+    return write_task_files(out_dir, FILE_NAMES, make_tasks)

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from turnrl.envs.base import Env, EnvOptions
-from turnrl.tasks import load_task_file, shipped_task_file
+from turnrl.tasks import load_task_file, shipped_task_file, write_task_files
 from turnrl.types import Message, StepResult, StopReason, Task
 
 LOW, HIGH = 1, 9
@@ -280,16 +280,4 @@ def make_tasks(split: str, seed: int = 0) -> list[Task]:
 
 def build_tasks(out_dir: str | Path) -> list[Path]:
     """Write ``probe_commit_train.jsonl`` and ``probe_commit_eval.jsonl`` (the shipped files)."""
-    import json
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for split, name in FILE_NAMES.items():
-        lines = [
-            json.dumps({"task_id": t.task_id, "env": t.env, "split": split, **t.params}) for t in make_tasks(split)
-        ]
-        path = out / name
-        path.write_text("\n".join(lines) + "\n")
-        paths.append(path)
-    return paths
+    return write_task_files(out_dir, FILE_NAMES, make_tasks)
