@@ -37,7 +37,7 @@ from _common import load, matmul_rate, read_bandwidth  # the script's directory 
 
 from turnrl.config import ModelConfig, parse_config
 from turnrl.models import attach_lora, load_model
-from turnrl.sampling.hf import _preallocated_cache
+from turnrl.sampling.kvcache import preallocated_cache
 from turnrl.sampling.merged_lora import MergedLoRA
 from turnrl.sampling.packed import PackedDecoder
 
@@ -147,7 +147,7 @@ def main() -> None:
         packed.forward(ids, torch.arange(L).expand(B, -1), base_cache, 0, torch.ones(B, L, dtype=torch.bool))
         filled = [(k[:, :, :L].clone(), v[:, :, :L].clone()) for k, v in base_cache]
         prefix = [(k[:1, :, :P].clone(), v[:1, :, :P].clone()) for k, v in filled]
-        hf_cache = _preallocated_cache(L + 8, filled)
+        hf_cache = preallocated_cache(L + 8, filled)
 
         def hf_step():
             for layer in hf_cache.layers:  # back to the context's L positions

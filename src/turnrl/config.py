@@ -93,6 +93,11 @@ class SamplerConfig(_PluginSection):
     """Maximum new tokens per turn."""
     refresh_every: int = Field(1, ge=1)
     """Refresh the sampler's weights every k optimizer steps (k > 1: stale sampling)."""
+    max_staleness: int = Field(0, ge=0, le=1)
+    """1: collect each step's batch while the previous step trains (overlapped collection, one version behind,
+    corrected by ``loss.mismatch``); 0: collect, then train (synchronous). One collector runs one batch ahead,
+    so 1 is the most it can use. Needs a sampler with its own copy of the weights (``hf`` on the packed decoder
+    with LoRA, ``vllm``, ``openai``) and one process."""
     top_k_logprobs: int = Field(0, ge=0, le=4096)
     """Record the sampler's top-k log-probs per action token (needed by ``loss.type: centered``)."""
     batch_size: int = Field(32, ge=1, le=MAX_EPISODES_PER_STEP)
@@ -262,7 +267,12 @@ class RunConfig(_Section):
         """The sampler's log-probs can differ from the trainer's: stale weights (``refresh_every`` > 1), its own
         copy of them, or settings of its own that round them (``SamplerParams.differs_from_trainer``)."""
         s = self.sampler
-        return s.refresh_every > 1 or not s.spec.shares_weights or getattr(s.params, "differs_from_trainer", False)
+        return (
+            s.refresh_every > 1
+            or s.max_staleness > 0
+            or not s.spec.shares_weights
+            or getattr(s.params, "differs_from_trainer", False)
+        )
 
     def _resolve_mismatch(self) -> None:
         """``loss.mismatch.mode: auto`` → TRL's default correction (sequence-level masked IS, C = 3)
@@ -284,7 +294,8 @@ class RunConfig(_Section):
         elif m.mode == "none" and needs:
             warnings.warn(
                 "loss.mismatch.mode: none with a sampler that can differ from the trainer"
-                f" (sampler.refresh_every = {self.sampler.refresh_every}, backend {self.sampler.backend!r}):"
+                f" (sampler.refresh_every = {self.sampler.refresh_every}, max_staleness {self.sampler.max_staleness},"
+                f" backend {self.sampler.backend!r}):"
                 " the update is uncorrected; loss.mismatch.mode: auto applies TRL's sequence-level mask (C = 3)",
                 stacklevel=2,
             )

@@ -70,11 +70,11 @@ def _resolve(target: str | Any) -> Any:
 def make_sampler(settings: SamplerSettings[Any], model: Any, tokenizer: Any, *, stale: bool | None = None) -> Sampler:
     """The sampler ``settings.backend`` for a policy.
 
-    ``stale`` (default: ``settings.refresh_every > 1``) keeps the sampler's own copy of the
-    weights between :meth:`Sampler.refresh` calls.
+    ``stale`` (default: ``settings.refresh_every > 1`` or ``settings.max_staleness > 0``) keeps the sampler's own
+    copy of the weights between :meth:`Sampler.refresh` calls.
     """
     spec = get_sampler(settings.backend)
-    stale = settings.refresh_every > 1 if stale is None else stale
+    stale = (settings.refresh_every > 1 or settings.max_staleness > 0) if stale is None else stale
     return _resolve(spec.factory)(model, tokenizer, settings, stale=stale)
 
 

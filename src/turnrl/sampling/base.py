@@ -41,6 +41,8 @@ class SamplerSection(Protocol):
     @property
     def refresh_every(self) -> int: ...
     @property
+    def max_staleness(self) -> int: ...
+    @property
     def params(self) -> BaseModel: ...
 
 
@@ -61,6 +63,8 @@ class SamplerSettings(Generic[P]):
     top_k_logprobs: int = 0
     batch_size: int = 32
     refresh_every: int = 1
+    max_staleness: int = 0
+    """1: each step's batch is collected while the previous step trains (one version behind); 0: synchronous."""
     params: P = field(default_factory=SamplerParams)  # type: ignore[assignment]  # a backend without parameters
 
     @classmethod
@@ -73,6 +77,7 @@ class SamplerSettings(Generic[P]):
             section.top_k_logprobs,
             section.batch_size,
             section.refresh_every,
+            section.max_staleness,
             section.params,
         )
 
@@ -86,6 +91,10 @@ class Sampler(Protocol):
 
     policy_version: int
     """Version of the weights the sampler generates with (increments on refresh)."""
+
+    # Optional: ``detached: bool``, True when between refreshes sampling reads none of the trainer's tensors
+    # (its own copy of the weights), so collection may run while the trainer steps (``sampler.max_staleness``);
+    # a sampler without it is taken as not detached.
 
     def sample(
         self, contexts: list[list[int]], params: SamplingParams, messages: list[list[Message]] | None = None

@@ -32,9 +32,11 @@ change (``turnrl.sampling.packed``), with the shared prefix's keys/values kept o
 for another model (or device) the sampler uses ``generate`` (``fast_decode_unsupported`` says why).
 
 Staleness: with ``stale=True`` the sampler keeps its own snapshot of the
-trainable (LoRA) weights, taken at each :meth:`refresh`, and swaps it in while
-generating, so rollouts come from the policy of the last refresh
-(``sampler.refresh_every``); with ``stale=False`` it shares the trainer's weights.
+trainable (LoRA) weights, taken at each :meth:`refresh`, so rollouts come from the policy of the last refresh
+(``sampler.refresh_every``, ``sampler.max_staleness``); with ``stale=False`` it shares the trainer's weights.
+On the packed decoder with only adapters trainable the snapshot is packed once per refresh and generation
+never touches the module (``detached``: collection may run while the trainer steps); otherwise the snapshot
+is swapped into the module while generating.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from turnrl.chat import end_of_turn_ids
 from turnrl.sampling import decode
 from turnrl.sampling.base import SamplerParams
 from turnrl.sampling.draws import InverseCDFDraws
+from turnrl.sampling.kvcache import layer_kv, preallocated_cache, preallocated_layer_class
 from turnrl.sampling.merged_lora import MergedLoRA
 from turnrl.sampling.packed import PackedDecoder, unsupported_reason
 from turnrl.types import Message, Sample, SamplingParams
@@ -98,103 +101,6 @@ class _Past:
         return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in self.kv)
 
 
-def _layer_kv(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (keys, values), each ``[B, H, T, D]``, of a transformers cache."""
-    return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _preallocated_layer_class():
-    """:class:`transformers.cache_utils.DynamicLayer` with its keys/values in preallocated buffers (built on first use:
-    this module is imported before transformers is needed)."""
-    global _PREALLOCATED_LAYER
-    if _PREALLOCATED_LAYER is not None:
-        return _PREALLOCATED_LAYER
-    from transformers.cache_utils import DynamicLayer
-
-    class PreallocatedLayer(DynamicLayer):
-        """A growing cache layer whose ``[B, H, capacity, D]`` buffers are allocated once (on the first ``update``,
-        or given filled up to ``length``): ``update`` writes the new positions in place and ``keys``/``values`` are
-        views of the filled part. ``DynamicLayer`` concatenates instead, copying the whole cache at every decode
-        step; the views have the shapes and values the concatenation would have."""
-
-        def __init__(self, capacity: int, keys=None, values=None, length: int = 0) -> None:
-            super().__init__()
-            self.capacity, self._length = capacity, 0
-            self._buffers: tuple[torch.Tensor, torch.Tensor] | None = None
-            if keys is not None:
-                self.device, self.is_initialized = keys.device, True
-                self._buffers, self._length = (keys, values), length
-                self._view()
-
-        def _view(self) -> None:
-            if self._buffers is None:
-                return
-            keys, values = self._buffers
-            self.keys, self.values = keys[:, :, : self._length], values[:, :, : self._length]
-
-        def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-            if self._buffers is None:
-                b, h, _, d = key_states.shape
-                self.device, self.is_initialized = key_states.device, True
-                self._buffers = (
-                    key_states.new_empty(b, h, self.capacity, d),
-                    value_states.new_empty(b, h, self.capacity, d),
-                )
-            keys, values = self._buffers
-            end = self._length + key_states.shape[-2]
-            if end > keys.shape[-2]:  # past the capacity (not expected): grow, as DynamicLayer would
-                grow = [*keys.shape[:2], end - keys.shape[-2], keys.shape[3]]
-                keys = torch.cat([keys, keys.new_zeros(grow)], dim=-2)
-                values = torch.cat([values, values.new_zeros(grow)], dim=-2)
-                self._buffers = (keys, values)
-            keys[:, :, self._length : end] = key_states
-            values[:, :, self._length : end] = value_states
-            self._length = end
-            self._view()
-            return self.keys, self.values
-
-        def crop(self, tokens_to_remove: int) -> None:
-            super().crop(tokens_to_remove)
-            self._length = self.keys.shape[-2]
-
-        def batch_repeat_interleave(self, repeats: int) -> None:
-            raise NotImplementedError("a preallocated cache is built for its batch")
-
-        def batch_select_indices(self, indices: torch.Tensor) -> None:
-            raise NotImplementedError("a preallocated cache is built for its batch")
-
-    _PREALLOCATED_LAYER = PreallocatedLayer
-    return PreallocatedLayer
-
-
-_PREALLOCATED_LAYER: type | None = None
-
-
-def _preallocated_cache(capacity: int, filled: list[tuple[torch.Tensor, torch.Tensor]] | None = None, rows: int = 0):
-    """A ``DynamicCache`` of preallocated layers of ``capacity`` positions: empty, or starting with ``filled``
-    (per layer ``[R, H, L, D]`` keys and values; R = 1 is repeated for ``rows`` rows)."""
-    from functools import partial
-
-    from transformers import DynamicCache
-
-    layer = _preallocated_layer_class()
-    cache = DynamicCache()
-    if filled is None:
-        cache.layer_class_to_replicate = partial(layer, capacity)
-        return cache
-    cache.layer_class_to_replicate = None
-    cache.layers = []
-    for keys, values in filled:
-        n = keys.shape[-2]
-        bufs = []
-        for t in (keys, values):
-            buf = t.new_empty(rows or t.shape[0], t.shape[1], capacity, t.shape[3])
-            buf[:, :, :n] = t
-            bufs.append(buf)
-        cache.layers.append(layer(capacity, *bufs, length=n))
-    return cache
-
-
 def _longest_match(ctx: np.ndarray, pasts: list[_Past]) -> tuple[_Past | None, int]:
     """The kept past sharing the longest prefix with ``ctx`` (at most ``len(ctx) − 1`` tokens), and that length."""
     best, best_m = None, 0
@@ -216,6 +122,11 @@ def common_prefix_length(rows: list[list[int]]) -> int:
         if any(r[k] != first[k] for r in rows):
             return k
     return n
+
+
+def _only_adapters_train(model) -> bool:
+    """Every trainable tensor is a LoRA adapter's (the base frozen: the packed copy of it stays the trainer's)."""
+    return all("lora_" in n for n, p in model.named_parameters() if p.requires_grad)
 
 
 class HFSampler:
@@ -258,6 +169,12 @@ class HFSampler:
         self._snapshot: dict[str, torch.Tensor] | None = None
         if stale:
             self._snapshot = self._trainable_state()
+        self.detached = stale and self.fast_decode_unsupported is None and _only_adapters_train(model)
+        """Generates from its own packed copy of the weights, taken at :meth:`refresh` (and when a checkpoint is
+        loaded): sampling reads none of the trainer's tensors, so it may run while the trainer steps
+        (``sampler.max_staleness``). A stale sampler on the packed decoder with only LoRA adapters trainable."""
+        if self.detached:
+            self._pack_snapshot()
 
     @classmethod
     def from_config(
@@ -289,6 +206,26 @@ class HFSampler:
         if self._snapshot is not None:
             source = weights if weights is not None else self._trainable_state()
             self._snapshot = {n: t.detach().clone() for n, t in source.items()}
+            if self.detached:
+                self._pack_snapshot()
+
+    def _pack_snapshot(self) -> None:
+        """Pack the decoder from the snapshot: swapped into the module for the packing, the module's own weights
+        put back (called between steps, never while the trainer runs: at construction, refresh and load)."""
+        assert self._snapshot is not None
+        params = dict(self.model.named_parameters())
+        current = {n: params[n].detach().clone() for n in self._snapshot}
+        try:
+            for n, t in self._snapshot.items():
+                params[n].data.copy_(t)
+            if self._decoder is None:
+                self._decoder = PackedDecoder(self.model, self._decode_dtype)
+            else:
+                self._decoder.refresh(self.model)
+        finally:
+            for n, t in current.items():
+                params[n].data.copy_(t)
+        self._decoder_key = ("snapshot", self.policy_version)
 
     def state_dict(self) -> dict:
         """What a checkpoint needs to restore this sampler: its version and stale snapshot."""
@@ -298,12 +235,18 @@ class HFSampler:
         self.policy_version = state["policy_version"]
         if self._snapshot is not None and state["snapshot"] is not None:
             self._snapshot = state["snapshot"]
+        if self.detached:
+            self._pack_snapshot()
 
     @torch.no_grad()
     def sample(
         self, contexts: list[list[int]], params: SamplingParams, messages: list[list[Message]] | None = None
     ) -> list[Sample]:
-        out: list[Sample] = []
+        if self.detached:  # the decoder packed at the last refresh: nothing of the module is read or changed
+            key = ("snapshot", self.policy_version)
+            previous = self._pasts if key == self._pasts_key else []
+            self._pasts, self._pasts_key, self.reused_tokens = [], key, 0
+            return self._chunks(contexts, params, previous)
         params_by_name = dict(self.model.named_parameters())
         weights_key = (self.policy_version, *(p._version for p in params_by_name.values() if p.requires_grad))
         previous = self._pasts if weights_key == self._pasts_key else []
@@ -329,18 +272,22 @@ class HFSampler:
                     self._decoder.refresh(self.model)
                 self._decoder_key = weights_key
             with merged:
-                for start in range(0, len(contexts), self.batch_size):
-                    chunk = contexts[start : start + self.batch_size]
-                    chunk_params = params
-                    if params.row_seeds is not None:  # each row keeps its own seed
-                        chunk_params = replace(params, row_seeds=params.row_seeds[start : start + self.batch_size])
-                    seed = params.seed * 100_003 + start
-                    out += self._generate(chunk, chunk_params, seed=seed, previous=previous)
+                return self._chunks(contexts, params, previous)
         finally:
             if current is not None:
                 for n, t in current.items():
                     params_by_name[n].data.copy_(t)
             self.model.train(was_training)
+
+    def _chunks(self, contexts: list[list[int]], params: SamplingParams, previous: list[_Past]) -> list[Sample]:
+        out: list[Sample] = []
+        for start in range(0, len(contexts), self.batch_size):
+            chunk = contexts[start : start + self.batch_size]
+            chunk_params = params
+            if params.row_seeds is not None:  # each row keeps its own seed
+                chunk_params = replace(params, row_seeds=params.row_seeds[start : start + self.batch_size])
+            seed = params.seed * 100_003 + start
+            out += self._generate(chunk, chunk_params, seed=seed, previous=previous)
         return out
 
     def _generate(
@@ -430,10 +377,10 @@ class HFSampler:
             if capacity is None:
                 cache.batch_repeat_interleave(len(contexts))
             else:
-                cache = _preallocated_cache(capacity, _layer_kv(cache), len(contexts))
+                cache = preallocated_cache(capacity, layer_kv(cache), len(contexts))
             extra[CACHE_KWARG] = cache
         elif capacity is not None:  # nothing cached: each layer's buffers are allocated by its first update
-            extra[CACHE_KWARG] = _preallocated_cache(capacity)
+            extra[CACHE_KWARG] = preallocated_cache(capacity)
         if draws is not None:
             extra["logits_processor"] = draws.processors
         gen = self.model.generate(
@@ -454,7 +401,7 @@ class HFSampler:
         cache = getattr(gen, CACHE_KWARG)
         if any(getattr(cache, "is_sliding", None) or []):  # a sliding-window layer keeps only its window
             return gen.sequences[:, width:].cpu(), scores, None
-        layers = _layer_kv(cache)
+        layers = layer_kv(cache)
 
         def kv_of(row: int, fed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             cols = torch.cat([attention[row].nonzero().squeeze(-1), torch.arange(width, width + fed)])
@@ -483,7 +430,7 @@ class HFSampler:
             if capacity is None:
                 cache.update(keys, values, layer)
             else:
-                layers.append(_preallocated_layer_class()(capacity, keys, values, length=width))
+                layers.append(preallocated_layer_class()(capacity, keys, values, length=width))
         if capacity is not None:
             cache.layers, cache.layer_class_to_replicate = layers, None
         return cache

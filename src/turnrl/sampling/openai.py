@@ -160,6 +160,9 @@ class LoraFollower:
     def __init__(self, model, stale: bool, adapter_dir: str | None, prefix: str) -> None:
         self.model = model
         self.stale = stale
+        self.detached = stale
+        """A stale follower reads the trainer's weights only at :meth:`refresh`, so it may sample while the trainer
+        steps (``sampler.max_staleness``)."""
         self.policy_version = 0
         self.adapter_name: str | None = None
         """The adapter requests go to (None: the base model)."""

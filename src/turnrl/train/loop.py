@@ -15,13 +15,18 @@ CPU run reproduces the uninterrupted one. One step, read aloud:
     metrics |= rollout_metrics(episodes)      # lengths, turns, stop/<reason>, episode/<metric>
     sampler.refresh(trainer.policy_weights()) # every sampler.refresh_every steps
 
+With ``sampler.max_staleness: 1`` the step's batch was collected while the last step trained
+(:mod:`turnrl.train.overlap`), and the refresh comes before the next batch starts.
+
 The run's record (:class:`~turnrl.train.summary.Summary`) gains each iteration's held-out
 evaluation and is complete when the last one has ended; ``train()`` returns it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -38,6 +43,7 @@ from turnrl.train import distributed
 from turnrl.train.batch import build_rows, mask_truncated_turns
 from turnrl.train.checkpoint import Checkpoint, ResumeError, RunState
 from turnrl.train.diagnostics import rollout_metrics
+from turnrl.train.overlap import Collector, check_overlap
 from turnrl.train.policy import build_policy, step_seed
 from turnrl.train.run import Run, Start
 from turnrl.train.settings import RunSettings
@@ -103,9 +109,13 @@ def train_step(
     chat: ChatTemplate,
     train_tasks: list[Task],
     state: RunState,
+    collector: Collector | None = None,
 ) -> tuple[list[Episode], dict[str, float]]:
     t0 = time.perf_counter()
-    episodes, metrics = collect_batch(settings, train_tasks, state, sampler, chat)
+    if collector is None:  # synchronous: collect with the weights of the last refresh, then train
+        episodes, metrics = collect_batch(settings, train_tasks, state, sampler, chat)
+    else:  # overlapped: the batch collected while the last step trained; the next one starts now
+        episodes, metrics = collector.next_batch(state)
     t1 = time.perf_counter()
     metrics.update(assign_credit(episodes, settings.credit))
     if settings.mask_truncated_completions:
@@ -128,7 +138,7 @@ def train_step(
     state.step += 1
     state.iteration_step += 1
     state.train_seconds += t2 - t0
-    if state.step % settings.sampler.refresh_every == 0:
+    if collector is None and state.step % settings.sampler.refresh_every == 0:
         sampler.refresh(trainer.policy_weights())
     state.sampler_version = sampler.policy_version
     return episodes, metrics
@@ -150,6 +160,8 @@ def build_iteration(run: Run, state: RunState, ckpt: Checkpoint | None) -> Polic
     model, tokenizer = build_policy(s.policy, run.dir, state.iteration)
     trainer = distributed.make_trainer(model, s.step, pad_id=tokenizer.pad_token_id)
     sampler = make_sampler(s.sampler, model, tokenizer)
+    if s.sampler.max_staleness:
+        check_overlap(s, sampler)  # before anything is evaluated or saved
     sampler.policy_version = state.sampler_version
     if ckpt is not None and state.iteration_step > 0:  # mid-iteration resume: adapter, optimizer, stale snapshot
         trainer.load_state_dict(ckpt.trainer)
@@ -157,6 +169,21 @@ def build_iteration(run: Run, state: RunState, ckpt: Checkpoint | None) -> Polic
     eval_sampler = make_sampler(s.sampler, model, tokenizer, stale=False)
     chat = s.chat.template(tokenizer)
     return Policy(trainer, sampler, eval_sampler, chat)
+
+
+@contextlib.contextmanager
+def overlapped_collector(run: Run, policy: Policy) -> Iterator[Collector | None]:
+    """The iteration's collector one batch ahead (``sampler.max_staleness: 1``), or None (synchronous)."""
+    if not run.settings.sampler.max_staleness:
+        yield None
+        return
+    trainer, sampler = policy.trainer, policy.sampler
+    refresh = lambda: sampler.refresh(trainer.policy_weights())  # noqa: E731
+    collector = Collector(run.settings, run.train_tasks, sampler, policy.chat, refresh, collect_batch)
+    try:
+        yield collector
+    finally:
+        collector.close()  # a batch still in flight (the time ran out) is waited for and dropped
 
 
 def evaluate_and_log(run: Run, policy: Policy, state: RunState, label: str) -> dict[str, float]:
@@ -198,9 +225,12 @@ def _run(run: Run, start: Start) -> Summary:
             run.save(policy.trainer, policy.sampler, state, summary)
 
         # the iteration's steps: collect, credit, update; log; evaluate and checkpoint when due
-        with run.progress(state) as advance:
+        # (sampler.max_staleness 1: a collector gathers the next batch while each step trains)
+        with run.progress(state) as advance, overlapped_collector(run, policy) as collector:
             while not s.last_step(state):
-                episodes, metrics = train_step(s, policy.trainer, policy.sampler, policy.chat, run.train_tasks, state)
+                episodes, metrics = train_step(
+                    s, policy.trainer, policy.sampler, policy.chat, run.train_tasks, state, collector
+                )
                 state.train_seconds = distributed.broadcast_object(state.train_seconds)  # one stop decision
                 run.log_step(state, episodes, metrics)
                 advance(metrics)
