@@ -1,0 +1,268 @@
+"""The regime map of credit (issue 31 part 5, docs/results.md §17): one table and one plot across experiments.
+
+Each variant of ``experiments/regime/`` is a ``turnrl experiment`` spec (its arms, seeds, audit and verdict);
+this script reads their finished runs and puts the variants side by side:
+
+* per variant × arm: the held-out metric before, at step 5 and at the end (means over seeds), the gain
+  (end − before), and **vs group_mean** the paired difference at step 5 (the specs' primary step) and at
+  the end: D = mean_s d_s, SE = s_d/√m, the t verdict at 97.5 % and the MDE at 80 % power
+  (:mod:`turnrl.experiments.verdict`, the experiments' own rule);
+* sample efficiency: held-out metric against the leaves seen (steps × leaves per step; the batch
+  ladder's rungs see 2× and 4× the leaves per step);
+* the audit's prediction (``experiment.json`` → ``prediction``, stated before the runs) beside the
+  measured ordering: Spearman's ρ between the predicted figure and the measured step-5 difference, per
+  variant and pooled over every (variant, arm);
+* a plot: the step-5 difference vs group_mean and the gain per arm against D (per-turn and terminal
+  reward), and the held-out metric against leaves seen per variant.
+
+Run (from the repository root, after the specs): ``python scripts/regime_map.py [--runs runs] [--out DIR]``.
+A variant with no finished run is listed as missing, never guessed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from scipy.stats import spearmanr
+
+from turnrl.experiments.results import RunResult, read_run
+from turnrl.experiments.verdict import combine, eval_var, mde
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIANTS = [  # (experiment name, D, reward timing, label)
+    ("regime_d1_turn", 1, "per_turn", "D 1"),
+    ("regime_d2_turn", 2, "per_turn", "D 2, per turn"),
+    ("regime_d4_turn", 4, "per_turn", "D 4, per turn"),
+    ("regime_d8_turn", 8, "per_turn", "D 8, per turn"),
+    ("regime_d2_terminal", 2, "terminal", "D 2, terminal"),
+    ("regime_d4_terminal", 4, "terminal", "D 4, terminal"),
+    ("regime_d8_terminal", 8, "terminal", "D 8, terminal"),
+    ("regime_noisy_turn", 1, "per_turn", "noisy prefix, per turn"),
+    ("regime_noisy_terminal", 1, "terminal", "noisy prefix, terminal"),
+    ("regime_corridor", 3, "per_turn", "corridor D 3"),
+]
+BASELINE = "group_mean"
+MID = 5
+
+
+def _point(run: RunResult, metric: str, step: int | None):
+    """The run's evaluation at ``step`` (None: its last)."""
+    curve = run.curve(metric)
+    if not curve:
+        return None
+    if step is None:
+        return curve[-1]
+    return next((p for p in curve if p.step == step), None)
+
+
+def _paired(runs: dict[str, dict[int, RunResult]], arm: str, metric: str, step: int | None) -> dict | None:
+    """arm − baseline over the seeds both finished: mean, SE (s_d/√m), t, verdict, MDE."""
+    seeds = sorted(set(runs.get(arm, {})) & set(runs.get(BASELINE, {})))
+    diffs, variances = [], []
+    for s in seeds:
+        a, b = _point(runs[arm][s], metric, step), _point(runs[BASELINE][s], metric, step)
+        if a is None or b is None:
+            continue
+        diffs.append(a.value - b.value)
+        variances.append((eval_var(a, metric) or 0.0) + (eval_var(b, metric) or 0.0))
+    if not diffs:
+        return None
+    est = combine(diffs, variances)
+    t = est.mean / est.se if est.se > 0 else math.nan
+    verdict = "better" if t > est.critical else "worse" if t < -est.critical else "no difference resolved"
+    return {
+        "diff": est.mean,
+        "se": est.se,
+        "t": t,
+        "critical": est.critical,
+        "df": est.df,
+        "seeds": len(diffs),
+        "mde": mde(est.se, est.df),
+        "verdict": verdict,
+        "per_seed": diffs,
+    }
+
+
+def _mean(xs: list[float]) -> float | None:
+    return statistics.fmean(xs) if xs else None
+
+
+def _figure(prediction: dict | None, arm: str) -> float | None:
+    """The audit's predicted figure for ``arm`` over all turns (higher: predicted to learn more per leaf)."""
+    if not prediction:
+        return None
+    entry = (prediction.get("arms") or {}).get(arm) or {}
+    for key in ("effective_samples_all", "corr_all"):
+        value = entry.get(key)
+        if isinstance(value, int | float) and math.isfinite(value):
+            return float(value)
+    return None
+
+
+def read_variant(runs_root: Path, name: str) -> dict[str, Any] | None:
+    exp_json = runs_root / name / "experiment.json"
+    if not exp_json.exists():
+        return None
+    exp = json.loads(exp_json.read_text())
+    metric = exp["metric"]
+    runs: dict[str, dict[int, RunResult]] = {}
+    for r in exp["runs"]:
+        runs.setdefault(r["arm"], {})[r["seed"]] = read_run(r["arm"], r["seed"], Path(r["run_dir"]))
+    arms: dict[str, dict[str, Any]] = {}
+    for arm, by_seed in runs.items():
+        leaves = exp["arms"][arm].get("leaves_per_step")
+        curves = [run.curve(metric) for run in by_seed.values()]
+        steps = sorted({p.step for c in curves for p in c})
+        at = {st: _mean([p.value for c in curves for p in c if p.step == st]) for st in steps}
+        finals = [c[-1].value for c in curves if c]
+        befores = [c[0].value for c in curves if c and c[0].step == 0]
+        arms[arm] = {
+            "seeds": sorted(by_seed),
+            "leaves_per_step": leaves,
+            "curve": [(st, st * (leaves or 0), at[st]) for st in steps],
+            "before": _mean(befores),
+            "mid": at.get(MID),
+            "final": _mean(finals),
+            "gain": (_mean(finals) - _mean(befores)) if finals and befores else None,  # type: ignore[operator]
+            "vs_mid": _paired(runs, arm, metric, MID) if arm != BASELINE else None,
+            "vs_final": _paired(runs, arm, metric, None) if arm != BASELINE else None,
+            "predicted": _figure(exp.get("prediction"), arm),
+            "wall_s": exp["arms"][arm].get("wall_s"),
+        }
+    return {"name": name, "metric": metric, "arms": arms, "prediction": exp.get("prediction")}
+
+
+def _fmt(x: float | None, pct: bool) -> str:
+    if x is None or not math.isfinite(x):
+        return "–"
+    return f"{100 * x:.1f}" if pct else f"{x:.3f}"
+
+
+def _diff(d: dict | None, pct: bool) -> str:
+    if d is None:
+        return "–"
+    k = 100 if pct else 1
+    mark = "**" if d["verdict"] != "no difference resolved" else ""
+    return f"{mark}{k * d['diff']:+.1f} ± {k * d['se']:.1f}{mark} (MDE {k * d['mde']:.1f}, {d['seeds']} seeds)"
+
+
+def table(variants: list[tuple[tuple, dict | None]]) -> str:
+    """The regime map as markdown: one row per variant × arm (values in points of per-decision success)."""
+    lines = [
+        "| variant | arm | leaves/step | before | step 5 | end | gain | vs group_mean at step 5 | at the end | audit figure |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for (name, _d, _timing, label), v in variants:
+        if v is None:
+            lines.append(f"| {label} (`{name}`) | not run | | | | | | | | |")
+            continue
+        pct = True  # both metrics are rates in [0, 1] here: per-decision success, episode success, progress
+        for arm, a in v["arms"].items():
+            lines.append(
+                f"| {label} | {arm} | {a['leaves_per_step']} | {_fmt(a['before'], pct)} | {_fmt(a['mid'], pct)}"
+                f" | {_fmt(a['final'], pct)} | {_fmt(a['gain'], pct)} | {_diff(a['vs_mid'], pct)}"
+                f" | {_diff(a['vs_final'], pct)} | {_fmt(a['predicted'], False)} |"
+            )
+    return "\n".join(lines)
+
+
+def orderings(variants: list[tuple[tuple, dict | None]]) -> tuple[list[str], float | None]:
+    """Spearman's ρ between the audit's figure and the measured step-5 difference: per variant, and pooled."""
+    lines, pooled_x, pooled_y = [], [], []
+    for (name, *_), v in variants:
+        if v is None:
+            continue
+        xs, ys = [], []
+        for arm, a in v["arms"].items():
+            if a["predicted"] is None or "_x" in arm:  # ladder rungs have no audit arm
+                continue
+            measured = 0.0 if arm == BASELINE else (a["vs_mid"] or {}).get("diff")
+            if measured is None:
+                continue
+            xs.append(a["predicted"])
+            ys.append(measured)
+        if len(xs) >= 3:
+            rho = float(spearmanr(xs, ys).statistic)
+            lines.append(f"{name}: Spearman ρ = {rho:+.2f} over {len(xs)} arms")
+        elif xs:
+            lines.append(f"{name}: {len(xs)} arms, too few for a rank correlation")
+        # pooled: each arm's figure relative to the baseline's, against its difference
+        base = v["arms"].get(BASELINE, {}).get("predicted")
+        if base is not None:
+            for x, y in zip(xs, ys, strict=True):
+                pooled_x.append(x - base)
+                pooled_y.append(y)
+    pooled = float(spearmanr(pooled_x, pooled_y).statistic) if len(pooled_x) >= 3 else None
+    return lines, pooled
+
+
+def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    for timing, style in (("per_turn", "-o"), ("terminal", "--s")):
+        series: dict[str, list[tuple[int, dict]]] = {}
+        for (name, d, t, _label), v in variants:
+            if v is None or t != timing or "noisy" in name or "corridor" in name:
+                continue
+            for arm, a in v["arms"].items():
+                if a["vs_mid"] is not None:
+                    series.setdefault(arm, []).append((d, a))
+        for arm, pts in sorted(series.items()):
+            pts.sort(key=lambda p: p[0])
+            ds = [p[0] for p in pts]
+            axes[0].errorbar(
+                ds,
+                [100 * p[1]["vs_mid"]["diff"] for p in pts],
+                yerr=[100 * p[1]["vs_mid"]["se"] for p in pts],
+                fmt=style,
+                capsize=3,
+                label=f"{arm} ({timing})",
+            )
+            axes[1].plot(ds, [100 * (p[1]["gain"] or 0) for p in pts], style, label=f"{arm} ({timing})")
+    axes[0].axhline(0, color="grey", lw=0.8)
+    axes[0].set(xscale="log", xlabel="D (decisions per episode)", ylabel="points", title="vs group_mean at step 5")
+    axes[1].set(xscale="log", xlabel="D", ylabel="points", title="gain, before → end (arms other than group_mean)")
+    for ax in axes[:2]:
+        ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.legend(fontsize=7)
+    d4 = next((v for (n, *_), v in variants if n == "regime_d4_turn" and v is not None), None)
+    if d4 is not None:
+        for arm, a in d4["arms"].items():
+            axes[2].plot([c[1] for c in a["curve"]], [100 * c[2] for c in a["curve"]], "-o", label=arm)
+        axes[2].set(xlabel="leaves seen", ylabel="held-out per-decision success (%)", title="D 4, per turn")
+        axes[2].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", default=str(ROOT / "runs"), help="the experiments' output root")
+    ap.add_argument("--out", default=str(ROOT / "runs" / "regime_map"), help="where the table, JSON and plot go")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    variants = [(spec, read_variant(Path(args.runs), spec[0])) for spec in VARIANTS]
+    md = table(variants)
+    lines, pooled = orderings(variants)
+    text = md + "\n\n" + "\n".join(lines) + f"\n\npooled over variants: Spearman ρ = {pooled}\n"
+    (out / "regime_map.md").write_text(text)
+    (out / "regime_map.json").write_text(json.dumps({s[0]: v for s, v in variants}, indent=1, default=str))
+    if any(v is not None for _, v in variants):
+        plot(variants, out / "regime_map.png")
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
