@@ -94,15 +94,12 @@ def _mean(xs: list[float]) -> float | None:
 
 
 def _figure(prediction: dict | None, arm: str) -> float | None:
-    """The audit's predicted figure for ``arm`` over all turns (higher: predicted to learn more per leaf)."""
+    """The audit's predicted figure for ``arm``: Σ_t n_eff,t = Σ_t n_t·c_t² (the perfectly credited samples its
+    gradients are worth per task, :mod:`turnrl.experiments.prediction`; higher: predicted to learn more)."""
     if not prediction:
         return None
-    entry = (prediction.get("arms") or {}).get(arm) or {}
-    for key in ("effective_samples_all", "corr_all"):
-        value = entry.get(key)
-        if isinstance(value, int | float) and math.isfinite(value):
-            return float(value)
-    return None
+    value = ((prediction.get("arms") or {}).get(arm) or {}).get("all", {}).get("n_eff")
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
 def read_variant(runs_root: Path, name: str) -> dict[str, Any] | None:
@@ -155,7 +152,8 @@ def _diff(d: dict | None, pct: bool) -> str:
 def table(variants: list[tuple[tuple, dict | None]]) -> str:
     """The regime map as markdown: one row per variant × arm (values in points of per-decision success)."""
     lines = [
-        "| variant | arm | leaves/step | before | step 5 | end | gain | vs group_mean at step 5 | at the end | audit figure |",
+        "| variant | arm | leaves/step | before | step 5 | end | gain"
+        " | vs group_mean at step 5 | at the end | audit figure |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for (name, _d, _timing, label), v in variants:
@@ -194,10 +192,11 @@ def orderings(variants: list[tuple[tuple, dict | None]]) -> tuple[list[str], flo
             lines.append(f"{name}: {len(xs)} arms, too few for a rank correlation")
         # pooled: each arm's figure relative to the baseline's, against its difference
         base = v["arms"].get(BASELINE, {}).get("predicted")
-        if base is not None:
+        if base is not None and base > 0:  # each arm's predicted ratio to the baseline, scale-free across variants
             for x, y in zip(xs, ys, strict=True):
-                pooled_x.append(x - base)
-                pooled_y.append(y)
+                if x > 0:
+                    pooled_x.append(math.log(x / base))
+                    pooled_y.append(y)
     pooled = float(spearmanr(pooled_x, pooled_y).statistic) if len(pooled_x) >= 3 else None
     return lines, pooled
 
