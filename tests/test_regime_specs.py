@@ -1,0 +1,68 @@
+"""The regime map's specs (``experiments/regime/``, issue 31 part 5) and ``scripts/regime_map.py``'s statistics.
+
+The specs resolve to the design results §17 reports: the position rule, five seeds, the primary outcome at
+step 5 stated before the runs, equal leaves per step in every arm but the batch ladder's rungs; the map's
+paired differences follow the experiments' verdict rule (s_d/√m, t critical value), checked by hand.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+from turnrl.experiments import load_spec, plan_runs
+from turnrl.experiments.results import RunResult
+
+REPO = Path(__file__).resolve().parent.parent
+SPECS = sorted((REPO / "experiments" / "regime").glob("regime_*.yaml"))
+
+
+def _map_module():
+    spec = importlib.util.spec_from_file_location("regime_map", REPO / "scripts" / "regime_map.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_variant_of_the_map_has_a_spec():
+    names = {p.stem for p in SPECS}
+    assert names == {v[0] for v in _map_module().VARIANTS}
+
+
+@pytest.mark.parametrize("path", SPECS, ids=lambda p: p.stem)
+def test_regime_specs_resolve_to_their_design(path, tmp_path):
+    spec = load_spec(path)
+    runs = plan_runs(spec, tmp_path)
+    assert spec.seeds == [0, 1, 2, 3, 4] and spec.primary is not None and spec.primary.at_step == 5
+    assert spec.primary.baseline == "group_mean" and spec.audit is not None
+    for run in runs:
+        env = run.config.env
+        assert env.name == "decisions" and env.options["rule"] == "position"
+        assert run.config.train.steps == 10 and run.config.eval.every == 5
+    leaves = {r.arm: r.config.rollout.tasks_per_step * r.config.episodes_per_task for r in runs if "_x" not in r.arm}
+    assert set(leaves.values()) == {24}  # equal sampled leaves per step in every arm
+    for r in runs:
+        if "_x" in r.arm:  # a ladder rung: k× the leaves
+            k = int(r.arm.rsplit("_x", 1)[1])
+            assert r.config.rollout.tasks_per_step * r.config.episodes_per_task == 24 * k
+
+
+def _run(arm: str, seed: int, values: dict[int, float]) -> RunResult:
+    rows = [{"step": s, "mean_reward": v, "num_tasks": 150} for s, v in values.items()]
+    return RunResult(arm, seed, Path("."), rows, [])
+
+
+def test_the_maps_paired_difference_is_the_verdict_rule_by_hand():
+    m = _map_module()
+    base = {s: _run("group_mean", s, {0: 0.5, 5: 0.60, 10: 0.70}) for s in range(3)}
+    treat = {s: _run("stepwise", s, {0: 0.5, 5: 0.60 + d, 10: 0.70}) for s, d in enumerate([0.05, 0.10, 0.15])}
+    out = m._paired({"group_mean": base, "stepwise": treat}, "stepwise", "mean_reward", 5)
+    # d = 0.05, 0.10, 0.15: mean 0.10, s_d = 0.05, SE = 0.05/√3 = 0.0289, t = 3.46 < t_2 = 4.30: not resolved
+    assert out["diff"] == pytest.approx(0.10) and out["se"] == pytest.approx(0.05 / math.sqrt(3))
+    assert out["critical"] == pytest.approx(4.3027, abs=1e-3) and out["verdict"] == "no difference resolved"
+    final = m._paired({"group_mean": base, "stepwise": treat}, "stepwise", "mean_reward", None)
+    assert final["diff"] == pytest.approx(0.0)
