@@ -278,3 +278,24 @@ def test_a_killed_critic_run_resumes_with_its_critic(tmp_path):
     assert _table(tmp_path / "runs/killed/progress/train.csv", CRITIC_COLUMNS) == want
     ckpt = Checkpoint.from_payload(torch.load(tmp_path / "runs/killed/checkpoint/state.pt", weights_only=True))
     assert ckpt.credit["mode"] == "text" and ckpt.credit["steps"] == 4
+
+
+# ---- other frameworks keep the run's critic ----------------------------------------------
+
+
+def test_the_trl_rollout_keeps_one_critic_across_generations():
+    """TRL's rollout_func holds the run's CreditSettings across generations, so the critic's second batch is valued
+    from the first (one-episode batches: alone, a batch values nothing); evaluation rollouts get fresh ones."""
+    pytest.importorskip("trl", reason="TRL is not installed (the dev extra has it)")
+    from turnrl.integrations.trl import TurnrlRollout
+
+    rollout = TurnrlRollout(estimator="critic", params={"lam": 1.0, "shrinkage": 0.0, "scale": "none"})
+    kept = rollout.credit("group")
+    assert rollout.credit("group") is kept and rollout.credit("group", fresh=True) is not kept
+    first, second = episode("a", [1.0], ["s"]), episode("b", [0.0], ["s"])
+    assign_credit([first], kept)
+    assign_credit([second], kept)  # V(s) = 1 from the first batch: A = 0 − 1
+    assert advantages([second])["b"] == pytest.approx([-1.0])
+    fresh = episode("c", [0.0], ["s"])
+    assign_credit([fresh], rollout.credit("group", fresh=True))
+    assert advantages([fresh])["c"] == pytest.approx([0.0])  # a fresh critic has nothing to value it with

@@ -136,3 +136,17 @@ def test_on_verifiers_own_classes_where_it_imports():
         spread = trace.branches[0].advantages  # what a verifiers trainer reads, per token of the sample
         a0, a1 = dump["nodes"][2]["advantages"][0], dump["nodes"][4]["advantages"][0]
         assert spread == pytest.approx([0, 0, 0, 0, 0, a0, a0, 0, 0, a1])
+
+
+def test_a_runs_own_settings_keep_its_critic_across_steps():
+    """``settings=``: the run's CreditSettings passed at every step, so the critic values step 2 from step 1."""
+    from turnrl.integrations.credit import settings_from_mapping
+
+    run = settings_from_mapping({"estimator": "critic", "lam": 1.0, "shrinkage": 0.0, "scale": "none"})
+    assign_advantages([_trace("a", "x", 1.0)], settings=run)  # one trace: valued by nothing, learnt from
+    step2 = [_trace("a", "x", 0.0)]
+    assign_advantages(step2, settings=run)
+    alone = [_trace("a", "x", 0.0)]
+    assign_advantages(alone, "critic", {"lam": 1.0, "shrinkage": 0.0, "scale": "none"})
+    assert alone[0]["nodes"][2]["advantages"] == [0.0, 0.0]  # a fresh critic on one trace: no value
+    assert step2[0]["nodes"][2]["advantages"][0] < 0  # valued from step 1's return (1): 0 − V < 0

@@ -133,13 +133,23 @@ class TurnrlRollout:
     """The episodes of the last call, in TRL's sample order, with their advantages."""
     last_samples: list[Sample] = field(default_factory=list, repr=False)
     _calls: int = field(default=0, repr=False)
+    _credit: dict[str, CreditSettings] = field(default_factory=dict, repr=False)
 
-    def credit(self, scale_rewards: str | bool) -> CreditSettings:
-        params = dict(self.params)
-        spec = get_estimator(self.estimator)
-        if "scale" in spec.params.model_fields and "scale" not in params:
-            params["scale"] = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)  # type: ignore[arg-type]
-        return settings_from_mapping({"estimator": self.estimator, **params})
+    def credit(self, scale_rewards: str | bool, *, fresh: bool = False) -> CreditSettings:
+        """The training run's credit settings, made once (per TRL ``scale_rewards``) and kept across generations,
+        so a stateful estimator (the ``critic``) learns across steps as in turnrl's own loop; ``fresh``: new
+        settings whose state learns nothing the run keeps (evaluation rollouts)."""
+        key = str(scale_rewards)
+        if fresh or key not in self._credit:
+            params = dict(self.params)
+            spec = get_estimator(self.estimator)
+            if "scale" in spec.params.model_fields and "scale" not in params:
+                params["scale"] = {True: "group", False: "none"}.get(scale_rewards, scale_rewards)  # type: ignore[arg-type]
+            settings = settings_from_mapping({"estimator": self.estimator, **params})
+            if fresh:
+                return settings
+            self._credit[key] = settings
+        return self._credit[key]
 
     def _groups(self, rows: list[dict[str, Any]], size: int) -> list[Task]:
         if len(rows) % size:
@@ -196,7 +206,7 @@ class TurnrlRollout:
         for ep in episodes:
             by_group.setdefault(ep.group_id, []).append(ep)
         episodes = [ep for group in by_group.values() for ep in group]  # group after group, as TRL's rows
-        assign_credit(episodes, self.credit(trainer.scale_rewards))
+        assign_credit(episodes, self.credit(trainer.scale_rewards, fresh=not training))
         samples = [as_sample(ep) for ep in episodes]
         self.last_episodes, self.last_samples = episodes, samples
         if self.records is not None and trainer.accelerator.is_main_process:

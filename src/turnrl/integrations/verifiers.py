@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from turnrl.credit import assign_credit
+from turnrl.credit import CreditSettings, assign_credit
 from turnrl.integrations.credit import settings_from_mapping
 from turnrl.records import write_records
 from turnrl.types import Episode, StopReason, Turn
@@ -150,11 +150,21 @@ def traces_to_records(traces: Sequence[Any], path: str | Path, *, anchors: bool 
 
 
 def assign_advantages(
-    traces: Sequence[Any], estimator: str = "stepwise", params: dict[str, Any] | None = None, *, anchors: bool = False
+    traces: Sequence[Any],
+    estimator: str = "stepwise",
+    params: dict[str, Any] | None = None,
+    *,
+    anchors: bool = False,
+    settings: CreditSettings | None = None,
 ) -> dict[str, float]:
     """Run the estimator on the traces and write each sampled node's ``advantages`` (its turn's advantage
-    on every sampled token; a turn the estimator leaves untrained gets zeros). Returns its metrics."""
-    settings = settings_from_mapping({"estimator": estimator, **(params or {})})
+    on every sampled token; a turn the estimator leaves untrained gets zeros). Returns its metrics.
+
+    ``settings`` (instead of ``estimator`` and ``params``): a run's own :class:`~turnrl.credit.CreditSettings`,
+    made once (``settings_from_mapping``) and passed at every step, so a stateful estimator (the ``critic``)
+    learns across steps instead of cross-fitting each batch on itself alone."""
+    if settings is None:
+        settings = settings_from_mapping({"estimator": estimator, **(params or {})})
     episodes, owners = trace_episodes(traces, anchors=anchors)
     metrics = assign_credit(episodes, settings)
     for trace, ep, nodes_of in zip(traces, episodes, owners, strict=True):
