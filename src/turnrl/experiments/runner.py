@@ -10,6 +10,7 @@ different config; ``fresh`` deletes the runs first.
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import sys
@@ -51,6 +52,7 @@ from turnrl.experiments.spec import ExperimentError, ExperimentSpec, load_spec
 from turnrl.experiments.verdict import RATE_METRICS, CriterionResult, Verdict
 from turnrl.rundir import RunDir, atomic_write_text, contained
 from turnrl.terminal import make_console, styled
+from turnrl.train.base_eval import BaseEvaluations
 from turnrl.train.settings import RunSettings
 from turnrl.train.summary import Summary
 
@@ -58,12 +60,16 @@ Runner = Callable[..., Any]
 """``runner(cfg: RunConfig, console=Console) -> Any``: trains one run into ``paths.output_dir/run_name``."""
 
 
-def train_run(cfg: RunConfig, console: Console | None = None) -> Summary:
-    """The default runner: :func:`turnrl.train.loop.train`, resuming a run directory that has a checkpoint."""
+def train_run(
+    cfg: RunConfig, console: Console | None = None, base_evaluations: BaseEvaluations | None = None
+) -> Summary:
+    """The default runner: :func:`turnrl.train.loop.train`, resuming a run directory that has a checkpoint;
+    ``base_evaluations``: the experiment's base evaluations, shared by its runs that would compute the same one
+    (the arms of a seed; :mod:`turnrl.train.base_eval`)."""
     from turnrl.train.loop import run_dir_for, train
 
     resume = run_dir_for(cfg).checkpoint.exists()
-    return train(cfg, resume=resume, console=console)
+    return train(cfg, resume=resume, console=console, base_evaluations=base_evaluations)
 
 
 def config_conflicts(run_dir: Path, cfg: RunConfig) -> list[str]:
@@ -120,7 +126,7 @@ def run_experiment(
     """
     console = console or make_console()
     out = out or sys.stdout
-    runner = runner or train_run
+    runner = runner or functools.partial(train_run, base_evaluations=BaseEvaluations())
     name = spec.experiment_name()
     plan = plan_runs(spec, output_root, overrides)
     resolve_runs(plan)

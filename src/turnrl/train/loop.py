@@ -40,6 +40,7 @@ from turnrl.rundir import RunDir
 from turnrl.sampling import Sampler, make_sampler
 from turnrl.tasks import TaskStream
 from turnrl.train import distributed
+from turnrl.train.base_eval import BaseEvaluations
 from turnrl.train.batch import build_rows, mask_truncated_turns
 from turnrl.train.checkpoint import Checkpoint, ResumeError, RunState
 from turnrl.train.diagnostics import rollout_metrics
@@ -186,10 +187,18 @@ def overlapped_collector(run: Run, policy: Policy) -> Iterator[Collector | None]
         collector.close()  # a batch still in flight (the time ran out) is waited for and dropped
 
 
-def evaluate_and_log(run: Run, policy: Policy, state: RunState, label: str) -> dict[str, float]:
-    """Evaluate on held-out tasks; save the episodes and log one eval row."""
-    seed = step_seed(run.settings.seed, state.step, salt=99)
-    result = evaluate(run.eval_tasks, policy.eval_sampler, policy.chat, run.settings.eval, seed=seed)
+def evaluate_and_log(
+    run: Run, policy: Policy, state: RunState, label: str, shared: BaseEvaluations | None = None
+) -> dict[str, float]:
+    """Evaluate on held-out tasks; save the episodes and log one eval row. ``shared`` (the base evaluation
+    only): taken from a run that computed the same one, or computed and kept for the next."""
+    key = run.settings.base_eval if shared is not None else None
+    result = shared.get(key) if shared is not None and key is not None else None
+    if result is None:
+        seed = step_seed(run.settings.seed, state.step, salt=99)
+        result = evaluate(run.eval_tasks, policy.eval_sampler, policy.chat, run.settings.eval, seed=seed)
+        if shared is not None and key is not None:
+            shared.put(key, result)
     run.log_eval(state, result.episodes, label, result.metrics)
     return result.metrics
 
@@ -201,15 +210,17 @@ def train(
     start_iter: int | None = None,
     allow_config_change: bool = False,
     console: Console | None = None,
+    base_evaluations: BaseEvaluations | None = None,
 ) -> Summary:
-    """Run (or resume) training; returns the run record (the base and each iteration's evaluation)."""
+    """Run (or resume) training; returns the run record (the base and each iteration's evaluation).
+    ``base_evaluations``: base evaluations shared with other runs of this process (``turnrl experiment``)."""
     distributed.setup()  # several processes: join the launcher's process group; rank 0 checks and writes
     run = Run(cfg, console)
     with run.opened(resume, start_iter, allow_config_change) as start:  # the lock first, then where to start
-        return _run(run, start)
+        return _run(run, start, base_evaluations)
 
 
-def _run(run: Run, start: Start) -> Summary:
+def _run(run: Run, start: Start, shared: BaseEvaluations | None = None) -> Summary:
     s = run.settings
     state, summary, ckpt = start.state, start.summary, start.checkpoint
     chat = None
@@ -220,7 +231,7 @@ def _run(run: Run, start: Start) -> Summary:
 
         # the base model's held-out evaluation, once, before any training
         if state.step == 0 and s.eval.before and summary.base is None:
-            summary.base = evaluate_and_log(run, policy, state, "base")
+            summary.base = evaluate_and_log(run, policy, state, "base", shared)
             run.write_summary(summary)
             run.save(policy.trainer, policy.sampler, state, summary)
 

@@ -25,6 +25,7 @@ from turnrl.eval import EvalSettings
 from turnrl.rollout.settings import RolloutSettings
 from turnrl.sampling import SamplerSettings, get_sampler
 from turnrl.train import distributed
+from turnrl.train.base_eval import BaseEvalKey
 from turnrl.train.checkpoint import RunState
 from turnrl.train.policy import PolicySettings
 from turnrl.train.step import StepSettings
@@ -53,6 +54,9 @@ class RunSettings:
     per_turn_rows: bool = False
     shard_collection: bool = False
     """Each process collects its share of a step's tasks (:func:`distributed.shards_collection`)."""
+    base_eval: BaseEvalKey | None = None
+    """What the base model's held-out evaluation depends on (:mod:`turnrl.train.base_eval`: runs with equal keys
+    may share it)."""
 
     @classmethod
     def from_config(cls, cfg: RunConfig) -> RunSettings:
@@ -77,6 +81,7 @@ class RunSettings:
             mask_truncated_completions=cfg.train.mask_truncated_completions,
             per_turn_rows=cfg.per_turn_rows,
             shard_collection=shard,
+            base_eval=BaseEvalKey.from_config(cfg),
         )
 
     def out_of_time(self, state: RunState) -> bool:

@@ -1,0 +1,82 @@
+"""The base model's held-out evaluation, shared by runs that would compute the same one.
+
+Before any training a run evaluates its base policy (``eval.before``: iteration 0, a fresh LoRA whose B is
+zero). That evaluation depends on the model, the environment and its tasks, the evaluation and sampler
+settings, the rollout limits, the chat template, the LoRA shape and the seed — not on what the arms of an
+experiment vary (the credit estimator, the loss, the optimizer, the batch's shape). ``turnrl experiment``
+runs every arm of a seed from the same base, so it evaluated the same policy on the same games once per
+arm; with a :class:`BaseEvaluations` store the first run of a key evaluates and the others take its
+episodes and metrics, written to their run directories as their own (the same bytes: ``tests/test_base_eval.py``
+compares a run that took it with one that evaluated).
+
+:class:`BaseEvalKey` is the resolved config with exactly the keys listed in :data:`UNUSED` removed: everything not
+listed stays in the key, so a share that is missed costs time, never correctness. The store lives in one
+process (the experiment's); nothing is written to disk beyond each run's own directory.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from turnrl.config import RunConfig
+from turnrl.eval import EvalResult
+
+UNUSED = (
+    "run_name",
+    "paths",
+    "tracking",
+    "credit",
+    "loss",
+    "train",
+    "loop",
+    "eval.every",
+    "rollout.tasks_per_step",
+    "rollout.group_size",
+    "rollout.branching",
+    "rollout.dynamic_sampling",
+    "rollout.refill",
+    "sampler.refresh_every",
+    "sampler.max_staleness",
+)
+"""Config keys the base evaluation does not read: what is trained and how (the base is evaluated before any
+update, by a sampler that shares the trainer's weights), where the run writes, and the training batch's shape
+(the evaluation's games are ``eval.*`` and ``data.num_eval_tasks``)."""
+
+
+@dataclass(frozen=True)
+class BaseEvalKey:
+    """Everything in the resolved config that the base evaluation can depend on, as canonical JSON."""
+
+    text: str
+
+    @classmethod
+    def from_config(cls, cfg: RunConfig) -> BaseEvalKey:
+        data: dict[str, Any] = cfg.model_dump(mode="json")
+        for dotted in UNUSED:
+            *parents, last = dotted.split(".")
+            node = data
+            for p in parents:
+                node = node.get(p, {})
+            node.pop(last, None)
+        return cls(json.dumps(data, sort_keys=True))
+
+
+class BaseEvaluations:
+    """Base evaluations by :class:`BaseEvalKey`, for the runs of one process (copies in and out: a run's episodes
+    are its own objects)."""
+
+    def __init__(self) -> None:
+        self._store: dict[BaseEvalKey, EvalResult] = {}
+
+    def get(self, key: BaseEvalKey) -> EvalResult | None:
+        hit = self._store.get(key)
+        return copy.deepcopy(hit) if hit is not None else None
+
+    def put(self, key: BaseEvalKey, result: EvalResult) -> None:
+        self._store[key] = copy.deepcopy(result)
+
+    def __len__(self) -> int:
+        return len(self._store)
