@@ -12,6 +12,9 @@ this script reads their finished runs and puts the variants side by side:
 * the audit's prediction (``experiment.json`` → ``prediction``, stated before the runs) beside the
   measured ordering: Spearman's ρ between the predicted figure and the measured step-5 difference, per
   variant and pooled over every (variant, arm);
+* per decision (the per-turn D variants only: there a decision's own reward marks it right): each position's
+  held-out success at step 5 and its paired difference vs group_mean, an explanatory table read after the
+  runs (not a primary outcome);
 * a plot: the step-5 difference vs group_mean and the gain per arm against D (per-turn and terminal
   reward), and the held-out metric against leaves seen per variant.
 
@@ -89,6 +92,71 @@ def _paired(runs: dict[str, dict[int, RunResult]], arm: str, metric: str, step: 
     }
 
 
+def _decision_rates(run_dir: Path, step: int) -> list[tuple[float, int]] | None:
+    """Per decision position: (fraction of held-out games whose turn earned a positive reward, games) at
+    ``step``, from the run's saved evaluation episodes; None without them."""
+    path = run_dir / "rollouts" / f"eval_step_{step:05d}.jsonl"
+    if not path.exists():
+        return None
+    hits: dict[int, list[float]] = {}
+    for line in path.read_text().splitlines():
+        for turn in json.loads(line)["turns"]:
+            hits.setdefault(turn["index"], []).append(1.0 if (turn.get("reward") or 0) > 0 else 0.0)
+    return [(statistics.fmean(hits[k]), len(hits[k])) for k in sorted(hits)]
+
+
+def per_decision(exp: dict, step: int) -> dict[str, Any]:
+    """Each arm's per-position success at ``step`` (means over seeds) and its paired difference vs the
+    baseline per position (the verdict's rule; a seed's variance from the binomial p(1−p)/n)."""
+    rates: dict[str, dict[int, list[tuple[float, int]]]] = {}
+    for r in exp["runs"]:
+        got = _decision_rates(Path(r["run_dir"]), step)
+        if got is not None:
+            rates.setdefault(r["arm"], {})[r["seed"]] = got
+    out: dict[str, Any] = {}
+    base = rates.get(BASELINE, {})
+    for arm, by_seed in rates.items():
+        positions = min(len(v) for v in by_seed.values())
+        row: dict[str, Any] = {"mean": [statistics.fmean(v[k][0] for v in by_seed.values()) for k in range(positions)]}
+        if arm != BASELINE and base:
+            row["vs"] = []
+            for k in range(positions):
+                diffs, variances = [], []
+                for seed in sorted(set(by_seed) & set(base)):
+                    (a, na), (b, nb) = by_seed[seed][k], base[seed][k]
+                    diffs.append(a - b)
+                    variances.append(a * (1 - a) / na + b * (1 - b) / nb)
+                est = combine(diffs, variances) if diffs else None
+                row["vs"].append(None if est is None else (est.mean, est.se, est.critical, len(diffs)))
+        out[arm] = row
+    return out
+
+
+def decision_table(variants: list[tuple[tuple, dict | None]]) -> str:
+    lines = [
+        "| variant | arm | success per decision at step 5 (%) | vs group_mean per decision (points) |",
+        "|---|---|---|---|",
+    ]
+    for (name, _d, timing, label), v in variants:
+        if v is None or timing != "per_turn" or not name.startswith("regime_d"):
+            continue
+        for arm, row in v["decisions"].items():
+            rates = " / ".join(f"{100 * m:.0f}" for m in row["mean"])
+            vs = "–"
+            if row.get("vs"):
+                cells = []
+                for d in row["vs"]:
+                    if d is None:
+                        cells.append("–")
+                        continue
+                    mean, se, crit, m = d
+                    mark = "**" if se > 0 and abs(mean) > crit * se else ""
+                    cells.append(f"{mark}{100 * mean:+.0f} ± {100 * se:.0f}{mark}")
+                vs = " / ".join(cells) + f" ({row['vs'][0][3] if row['vs'][0] else 0} seeds)"
+            lines.append(f"| {label} | {arm} | {rates} | {vs} |")
+    return "\n".join(lines)
+
+
 def _mean(xs: list[float]) -> float | None:
     return statistics.fmean(xs) if xs else None
 
@@ -132,7 +200,13 @@ def read_variant(runs_root: Path, name: str) -> dict[str, Any] | None:
             "predicted": _figure(exp.get("prediction"), arm),
             "wall_s": exp["arms"][arm].get("wall_s"),
         }
-    return {"name": name, "metric": metric, "arms": arms, "prediction": exp.get("prediction")}
+    return {
+        "name": name,
+        "metric": metric,
+        "arms": arms,
+        "prediction": exp.get("prediction"),
+        "decisions": per_decision(exp, MID),
+    }
 
 
 def _fmt(x: float | None, pct: bool) -> str:
@@ -255,6 +329,7 @@ def main() -> int:
     md = table(variants)
     lines, pooled = orderings(variants)
     text = md + "\n\n" + "\n".join(lines) + f"\n\npooled over variants: Spearman ρ = {pooled}\n"
+    text += "\nPer decision (explanatory, read after the runs):\n\n" + decision_table(variants) + "\n"
     (out / "regime_map.md").write_text(text)
     (out / "regime_map.json").write_text(json.dumps({s[0]: v for s, v in variants}, indent=1, default=str))
     if any(v is not None for _, v in variants):

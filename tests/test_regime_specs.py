@@ -66,3 +66,37 @@ def test_the_maps_paired_difference_is_the_verdict_rule_by_hand():
     assert out["critical"] == pytest.approx(4.3027, abs=1e-3) and out["verdict"] == "no difference resolved"
     final = m._paired({"group_mean": base, "stepwise": treat}, "stepwise", "mean_reward", None)
     assert final["diff"] == pytest.approx(0.0)
+
+
+def test_the_maps_per_decision_rates_by_hand(tmp_path):
+    """Per position: the share of held-out games whose turn earned a reward, and the paired difference per
+    position by the verdict's rule."""
+    import json
+
+    m = _map_module()
+
+    def run_dir(arm: str, seed: int, games: list[list[float]]) -> dict:
+        d = tmp_path / arm / f"seed{seed}"
+        (d / "rollouts").mkdir(parents=True)
+        lines = [json.dumps({"turns": [{"index": i, "reward": r} for i, r in enumerate(g)]}) for g in games]
+        (d / "rollouts" / "eval_step_00005.jsonl").write_text("\n".join(lines) + "\n")
+        return {"arm": arm, "seed": seed, "run_dir": str(d)}
+
+    # 4 games, 2 decisions; group_mean: position 1 right in 2 and 1 games, position 2 in 4 and 3;
+    # stepwise: position 1 right in 4 and 4, position 2 in 2 and 3
+    runs = [
+        run_dir("group_mean", 0, [[0.5, 0.5], [0.5, 0.5], [0, 0.5], [0, 0.5]]),
+        run_dir("group_mean", 1, [[0.5, 0.5], [0, 0.5], [0, 0.5], [0, 0]]),
+        run_dir("stepwise", 0, [[0.5, 0.5], [0.5, 0.5], [0.5, 0], [0.5, 0]]),
+        run_dir("stepwise", 1, [[0.5, 0.5], [0.5, 0.5], [0.5, 0.5], [0.5, 0]]),
+    ]
+    out = m.per_decision({"runs": runs}, 5)
+    assert out["group_mean"]["mean"] == pytest.approx([(0.5 + 0.25) / 2, (1.0 + 0.75) / 2])
+    assert out["stepwise"]["mean"] == pytest.approx([1.0, (0.5 + 0.75) / 2])
+    # position 1: d = 0.5, 0.75 -> mean 0.625, s_d = 0.1768, SE = s_d/√2 = 0.125
+    mean, se, crit, seeds = out["stepwise"]["vs"][0]
+    assert (mean, se, seeds) == (pytest.approx(0.625), pytest.approx(0.125), 2)
+    assert crit == pytest.approx(12.706, abs=1e-3)  # t_1 at 97.5 %
+    # position 2: d = -0.5, 0.0 -> mean -0.25
+    assert out["stepwise"]["vs"][1][0] == pytest.approx(-0.25)
+    assert "vs" not in out["group_mean"]
