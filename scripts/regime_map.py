@@ -282,36 +282,49 @@ def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    names = sorted({arm for _, v in variants if v is not None for arm in v["arms"]})
+    color = {arm: f"C{i}" for i, arm in enumerate(names)}  # one colour per arm in every panel
     for timing, style in (("per_turn", "-o"), ("terminal", "--s")):
         series: dict[str, list[tuple[int, dict]]] = {}
         for (name, d, t, _label), v in variants:
             if v is None or t != timing or "noisy" in name or "corridor" in name:
                 continue
             for arm, a in v["arms"].items():
-                if a["vs_mid"] is not None:
-                    series.setdefault(arm, []).append((d, a))
+                series.setdefault(arm, []).append((d, a))
         for arm, pts in sorted(series.items()):
             pts.sort(key=lambda p: p[0])
-            ds = [p[0] for p in pts]
-            axes[0].errorbar(
-                ds,
-                [100 * p[1]["vs_mid"]["diff"] for p in pts],
-                yerr=[100 * p[1]["vs_mid"]["se"] for p in pts],
-                fmt=style,
-                capsize=3,
+            vs = [p for p in pts if p[1]["vs_mid"] is not None]
+            if vs:
+                axes[0].errorbar(
+                    [p[0] for p in vs],
+                    [100 * p[1]["vs_mid"]["diff"] for p in vs],
+                    yerr=[100 * p[1]["vs_mid"]["se"] for p in vs],
+                    fmt=style,
+                    color=color[arm],
+                    capsize=3,
+                    label=f"{arm} ({timing})",
+                )
+            gains = [p for p in pts if p[1]["gain"] is not None]
+            axes[1].plot(
+                [p[0] for p in gains],
+                [100 * p[1]["gain"] for p in gains],
+                style,
+                color=color[arm],
                 label=f"{arm} ({timing})",
             )
-            axes[1].plot(ds, [100 * (p[1]["gain"] or 0) for p in pts], style, label=f"{arm} ({timing})")
     axes[0].axhline(0, color="grey", lw=0.8)
     axes[0].set(xscale="log", xlabel="D (decisions per episode)", ylabel="points", title="vs group_mean at step 5")
-    axes[1].set(xscale="log", xlabel="D", ylabel="points", title="gain, before → end (arms other than group_mean)")
+    axes[1].set(xscale="log", xlabel="D", ylabel="points", title="gain, before → end")
     for ax in axes[:2]:
         ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
+        ax.minorticks_off()
         ax.legend(fontsize=7)
     d4 = next((v for (n, *_), v in variants if n == "regime_d4_turn" and v is not None), None)
     if d4 is not None:
         for arm, a in d4["arms"].items():
-            axes[2].plot([c[1] for c in a["curve"]], [100 * c[2] for c in a["curve"]], "-o", label=arm)
+            axes[2].plot(
+                [c[1] for c in a["curve"]], [100 * c[2] for c in a["curve"]], "-o", color=color[arm], label=arm
+            )
         axes[2].set(xlabel="leaves seen", ylabel="held-out per-decision success (%)", title="D 4, per turn")
         axes[2].legend(fontsize=7)
     fig.tight_layout()
