@@ -74,6 +74,11 @@ def _paired(runs: dict[str, dict[int, RunResult]], arm: str, metric: str, step: 
             continue
         diffs.append(a.value - b.value)
         variances.append((eval_var(a, metric) or 0.0) + (eval_var(b, metric) or 0.0))
+    return _judged(diffs, variances)
+
+
+def _judged(diffs: list[float], variances: list[float]) -> dict | None:
+    """Per-seed paired differences judged by the verdict's rule: mean, SE (s_d/√m), t, verdict, MDE."""
     if not diffs:
         return None
     est = combine(diffs, variances)
@@ -126,15 +131,14 @@ def per_decision(exp: dict, step: int) -> dict[str, Any]:
                     (a, na), (b, nb) = by_seed[seed][k], base[seed][k]
                     diffs.append(a - b)
                     variances.append(a * (1 - a) / na + b * (1 - b) / nb)
-                est = combine(diffs, variances) if diffs else None
-                row["vs"].append(None if est is None else (est.mean, est.se, est.critical, len(diffs)))
+                row["vs"].append(_judged(diffs, variances))
         out[arm] = row
     return out
 
 
 def decision_table(variants: list[tuple[tuple, dict | None]]) -> str:
     lines = [
-        "| variant | arm | success per decision at step 5 (%) | vs group_mean per decision (points) |",
+        "| variant | arm | success per decision at step 5 (%) | vs group_mean per decision (points; MDE, seeds) |",
         "|---|---|---|---|",
     ]
     for (name, _d, timing, label), v in variants:
@@ -142,17 +146,7 @@ def decision_table(variants: list[tuple[tuple, dict | None]]) -> str:
             continue
         for arm, row in v["decisions"].items():
             rates = " / ".join(f"{100 * m:.0f}" for m in row["mean"])
-            vs = "–"
-            if row.get("vs"):
-                cells = []
-                for d in row["vs"]:
-                    if d is None:
-                        cells.append("–")
-                        continue
-                    mean, se, crit, m = d
-                    mark = "**" if se > 0 and abs(mean) > crit * se else ""
-                    cells.append(f"{mark}{100 * mean:+.0f} ± {100 * se:.0f}{mark}")
-                vs = " / ".join(cells) + f" ({row['vs'][0][3] if row['vs'][0] else 0} seeds)"
+            vs = " / ".join(_diff(d, pct=True) for d in row["vs"]) if row.get("vs") else "–"
             lines.append(f"| {label} | {arm} | {rates} | {vs} |")
     return "\n".join(lines)
 

@@ -94,9 +94,9 @@ def test_the_maps_per_decision_rates_by_hand(tmp_path):
     assert out["group_mean"]["mean"] == pytest.approx([(0.5 + 0.25) / 2, (1.0 + 0.75) / 2])
     assert out["stepwise"]["mean"] == pytest.approx([1.0, (0.5 + 0.75) / 2])
     # position 1: d = 0.5, 0.75 -> mean 0.625, s_d = 0.1768, SE = s_d/√2 = 0.125
-    mean, se, crit, seeds = out["stepwise"]["vs"][0]
-    assert (mean, se, seeds) == (pytest.approx(0.625), pytest.approx(0.125), 2)
-    assert crit == pytest.approx(12.706, abs=1e-3)  # t_1 at 97.5 %
+    first = out["stepwise"]["vs"][0]
+    assert (first["diff"], first["se"], first["seeds"]) == (pytest.approx(0.625), pytest.approx(0.125), 2)
+    assert first["critical"] == pytest.approx(12.706, abs=1e-3)  # t_1 at 97.5 %
     # position 2: d = -0.5, 0.0 -> mean -0.25
-    assert out["stepwise"]["vs"][1][0] == pytest.approx(-0.25)
+    assert out["stepwise"]["vs"][1]["diff"] == pytest.approx(-0.25)
     assert "vs" not in out["group_mean"]
