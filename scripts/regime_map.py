@@ -42,6 +42,7 @@ VARIANTS = [  # (experiment name, D, reward timing, label)
     ("regime_d1_turn", 1, "per_turn", "D 1"),
     ("regime_d2_turn", 2, "per_turn", "D 2, per turn"),
     ("regime_d4_turn", 4, "per_turn", "D 4, per turn"),
+    ("regime_d4_word_turn", 4, "per_turn", "D 4 (word rule), per turn"),
     ("regime_d8_turn", 8, "per_turn", "D 8, per turn"),
     ("regime_d2_terminal", 2, "terminal", "D 2, terminal"),
     ("regime_d4_terminal", 4, "terminal", "D 4, terminal"),
@@ -281,7 +282,7 @@ def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
     for timing, style in (("per_turn", "-o"), ("terminal", "--s")):
         series: dict[str, list[tuple[int, dict]]] = {}
         for (name, d, t, _label), v in variants:
-            if v is None or t != timing or "noisy" in name or "corridor" in name:
+            if v is None or t != timing or any(x in name for x in ("noisy", "corridor", "word")):
                 continue
             for arm, a in v["arms"].items():
                 series.setdefault(arm, []).append((d, a))
@@ -306,6 +307,15 @@ def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
                 color=color[arm],
                 label=f"{arm} ({timing})",
             )
+    word = next((v for (n, *_), v in variants if n == "regime_d4_word_turn" and v is not None), None)
+    for arm, a in (word or {"arms": {}})["arms"].items():  # the word rule at D 4: stars, beside the D-series
+        if a["vs_mid"] is not None:
+            axes[0].errorbar(
+                [4.4], [100 * a["vs_mid"]["diff"]], yerr=[100 * a["vs_mid"]["se"]], fmt="*", ms=10,
+                color=color[arm], capsize=3, label=f"{arm} (word rule, per turn)",
+            )  # fmt: skip
+        if a["gain"] is not None:
+            axes[1].plot([4.4], [100 * a["gain"]], "*", ms=10, color=color[arm], label=f"{arm} (word rule)")
     axes[0].axhline(0, color="grey", lw=0.8)
     axes[0].set(xscale="log", xlabel="D (decisions per episode)", ylabel="points", title="vs group_mean at step 5")
     axes[1].set(xscale="log", xlabel="D", ylabel="points", title="gain, before → end")
@@ -314,13 +324,12 @@ def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
         ax.minorticks_off()
         ax.legend(fontsize=7)
     d4 = next((v for (n, *_), v in variants if n == "regime_d4_turn" and v is not None), None)
-    if d4 is not None:
-        for arm, a in d4["arms"].items():
-            axes[2].plot(
-                [c[1] for c in a["curve"]], [100 * c[2] for c in a["curve"]], "-o", color=color[arm], label=arm
-            )
-        axes[2].set(xlabel="leaves seen", ylabel="held-out per-decision success (%)", title="D 4, per turn")
-        axes[2].legend(fontsize=7)
+    for v, style, rule in ((d4, "-o", "position"), (word, "--*", "word")):
+        for arm, a in (v or {"arms": {}})["arms"].items():
+            xs, ys = [c[1] for c in a["curve"]], [100 * c[2] for c in a["curve"]]
+            axes[2].plot(xs, ys, style, color=color[arm], label=f"{arm} ({rule} rule)")
+    axes[2].set(xlabel="leaves seen", ylabel="held-out per-decision success (%)", title="D 4, per turn")
+    axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 

@@ -15,6 +15,7 @@ from turnrl.envs.decisions import (
     FILE_NAMES,
     TURN_MENUS,
     WORD_CATEGORY,
+    WORD_RULE,
     DecisionsEnv,
     build_tasks,
     choices,
@@ -147,6 +148,38 @@ def test_position_rule_fixes_each_decisions_letter_by_its_index():
     assert [x for _, x in make_env(TASK, rule="position", choices=3, decisions=8).items] == list("CABBCAAC")
 
 
+def test_word_rule_gives_each_decision_its_own_words_and_bare_word_replies():
+    """rule: word: decision k offers WORD_RULE[k]'s words in the task's order (the right one, the
+    first, at the task's letter), menus and examples carry no letters, a reply counts by the word it
+    names (never by a letter), and no word is shared by two decisions or with the category pools."""
+    words = [w for triple in WORD_RULE for w in triple]
+    assert len(set(words)) == len(words) and not set(words) & set(WORD_CATEGORY)
+    env = make_env(TASK, rule="word", decisions=8)
+    letters = [shrink(x["options"], x["answer"], 2)[1] for x in TASK.params["decisions"]]
+    for k, (menu_words, letter) in enumerate(env.items):
+        assert letter == letters[k] and menu_words[" AB".index(letter) - 1] == WORD_RULE[k][0]
+        assert sorted(menu_words) == sorted(WORD_RULE[k][:2])
+    messages = env.initial_messages()
+    assert not any(") " in str(m["content"]) for m in messages[1:])  # no lettered menu or reply
+    assert messages[-1]["content"] == f"Now the quiz. Question 1 of 8: Say one word: {' or '.join(env.items[0][0])}."
+    first, second = env.items[0][0], env.items[1][0]
+    wrong_letter = "A" if env.items[0][1] == "B" else "B"  # the letter of the wrong word: means nothing
+    step = env.step(f"{wrong_letter}) {WORD_RULE[0][0].upper()}!")
+    assert step.reward == 0.125 and step.messages[0]["content"].endswith(f"{' or '.join(second)}.")
+    assert env.step(wrong_letter).reward == 0.0 and env.malformed == 1  # a lone letter names no word
+    assert [parse_choice(r, first, words_only=True) for r in (first[1], f"{first[0]} or {first[1]}", "A")] == [
+        "B",
+        "A",
+        None,
+    ]
+    strict = make_env(TASK, rule="word", strict=True, fillers=1)
+    strict.initial_messages()
+    assert strict.action_choices() == list(TURN_MENUS[2])  # the free turn's words, bare
+    strict.step("left")
+    assert strict.action_choices() == strict.items[0][0]
+    assert strict.step(f"A) {WORD_RULE[0][0]}").reward == 0.0 and strict.malformed == 1
+
+
 def test_chain_state_key_is_the_position():
     env = make_env(TASK, decisions=2, fillers=1)
     env.initial_messages()
@@ -275,7 +308,8 @@ def _play(env, policy) -> tuple[float, object]:
     "options",
     [{}, {"decisions": 8, "choices": 3}, {"reward": "terminal", "fillers": 2}, {"mode": "corridor", "decisions": 3},
      {"show_rule": False, "strict": True}, {"rule": "position"},
-     {"rule": "position", "choices": 3, "mode": "corridor"}],
+     {"rule": "position", "choices": 3, "mode": "corridor"}, {"rule": "word", "fillers": 1},
+     {"rule": "word", "choices": 3, "mode": "corridor", "strict": True}],
 )  # fmt: skip
 def test_oracle_scores_the_max_and_random_the_chance_rate(options):
     oracle = [_play(make_env(t, **options), oracle_policy) for t in EVAL]

@@ -11,7 +11,12 @@ vehicle, body part, drink, weather), so no two decisions of an episode share a r
 category is not named ("Question 2 of 4: Pick one.") and decision k's rule must be learnt from
 reward alone. ``rule: position`` drops the categories: decision k's right letter is fixed by k
 (:data:`POSITION_KEYS`, "Question 2 of 4: Guess."), a rule a small model learns from reward
-quickly, and still one per decision. Train and held-out tasks draw their words from disjoint pools.
+quickly, and still one per decision — but every decision answers through the same two letters, so
+what one decision learns moves the others (docs/results.md §17). ``rule: word`` gives each decision
+a reply of its own: decision k offers its own fixed words (:data:`WORD_RULE`, "Question 2 of 4: Say
+one word: north or south.", their order set by the task), the right one is the first of them, and
+every menu and reply is a bare word (no letters). Train and held-out tasks draw their words from
+disjoint pools (the word rule's words are the same in both; the orders differ).
 
 Layout of an episode (``mode: chain``, the default): ``noise_turns`` lottery turns first (the
 noisy prefix), then for each of the ``decisions`` decisions ``fillers`` free turns and the
@@ -86,6 +91,14 @@ EXAMPLES = (
 """The worked examples opening the chat (``few_shot``; their words are in no pool)."""
 POSITION_KEYS = {2: "BAABABBA", 3: "CABBCAAC"}
 """``rule: position``: the right letter of decision k is ``POSITION_KEYS[choices][k]``."""
+WORD_RULE = (
+    ("north", "south", "center"), ("early", "late", "never"), ("up", "down", "sideways"), ("rock", "sand", "clay"),
+    ("sweet", "sour", "bitter"), ("soft", "hard", "rough"), ("east", "west", "inland"), ("yes", "no", "maybe"),
+)  # fmt: skip
+"""``rule: word``: decision k's words; the first is right (no category, pool, menu or example word).
+Chosen by the base model's first-token preference on question 1 and 3, both orders (docs/decisions.md):
+the right word's share 0.39–0.57 of the pair's, nearly the same in either order, so no decision is
+settled by the menu's position (pairs like ``sun / moon``, 0.23 first and 0.72 second, were left out)."""
 TURN_MENUS = {2: ("left", "right"), 3: ("left", "middle", "right")}
 """The options of free and lottery turns."""
 FREE_TEXT = "Free turn (any option is fine, it does not count):"
@@ -95,6 +108,11 @@ LOTTERY_TEXT = "Lottery turn (each option pays a hidden random amount):"
 def menu(words: list[str] | tuple[str, ...]) -> str:
     """``A) w1 B) w2 C) w3`` (or ``A) w1 B) w2``)."""
     return " ".join(choices(words))
+
+
+def word_menu(words: list[str] | tuple[str, ...]) -> str:
+    """``w1 or w2`` (``w1, w2 or w3``): a menu without letters (``rule: word``)."""
+    return f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def choices(words: list[str] | tuple[str, ...]) -> list[str]:
@@ -131,8 +149,9 @@ class DecisionsOptions(EnvOptions):
     """``corridor``: a wrong answer sends the walker back to room 1 (recurring states)."""
     horizon: int | None = Field(None, ge=1, le=64)
     """Corridor mode: turns before the walk ends (default 2·decisions)."""
-    rule: Literal["category", "position"] = "category"
-    """``category``: decision k's right word is of category k; ``position``: its right letter is fixed by k."""
+    rule: Literal["category", "position", "word"] = "category"
+    """``category``: decision k's right word is of category k; ``position``: its right letter is fixed by k;
+    ``word``: its right word is fixed by k (:data:`WORD_RULE`; bare-word menus and replies)."""
     show_rule: bool = True
     """Name each question's category (False: "pick one", the rule learnt from reward alone)."""
     strict: bool = False
@@ -151,25 +170,37 @@ class DecisionsOptions(EnvOptions):
         return self
 
 
-def parse_choice(text: str, options: list[str], strict: bool = False) -> str | None:
+def parse_choice(text: str, options: list[str], strict: bool = False, words_only: bool = False) -> str | None:
     """The letter a reply chooses, or None (malformed).
+
+    ``words_only`` (``rule: word``, letterless menus): strict, the reply stripped is exactly one
+    option word; lenient, the option word named first (whole word, any case); letters mean nothing.
 
     ``strict``: the reply stripped is exactly one of :func:`choices` (``B) grape``). Lenient: a lone
     letter (any case, with punctuation: ``(b).``), a leading letter (``B) grape``, ``C. tea``,
     ``A) crowbar`` whatever the word), ``answer is B`` / ``answer: B``, else the option word named
     first (whole word, any case)."""
     text = text if isinstance(text, str) else ""
+    if words_only and strict:
+        return LETTERS[options.index(text.strip())] if text.strip() in options else None
     if strict:
         canon = choices(options)
         return LETTERS[canon.index(text.strip())] if text.strip() in canon else None
     head, letters = text[:2000], "".join(LETTERS[: len(options)])
+    if words_only:
+        return _first_word(head, options)
     if (m := re.fullmatch(r"\W*([A-Za-z])\W*", head)) and m.group(1).upper() in letters:
         return m.group(1).upper()
     if (m := re.match(r"\s*\(?([A-Z])(?:[).:,]|\s|$)", head)) and m.group(1) in letters:
         return m.group(1)
     if (m := re.search(r"(?i:answer)\s*(?:is|:)?\s*\(?([A-Z])\b", head)) and m.group(1) in letters:
         return m.group(1)
-    hits = [(m.start(), i) for i, w in enumerate(options) if (m := re.search(rf"\b{re.escape(w)}\b", head, re.I))]
+    return _first_word(head, options)
+
+
+def _first_word(text: str, options: list[str]) -> str | None:
+    """The letter of the option word named first in ``text`` (whole word, any case), or None."""
+    hits = [(m.start(), i) for i, w in enumerate(options) if (m := re.search(rf"\b{re.escape(w)}\b", text, re.I))]
     return LETTERS[min(hits)[1]] if hits else None
 
 
@@ -181,11 +212,16 @@ def lottery_payoffs(task_id: str, turn: int, noise: float, n: int = 3) -> dict[s
     return dict(zip(LETTERS, values, strict=False))
 
 
-def _question(k: int, d: int, words: list[str], show_rule: bool | None, room: bool) -> str:
-    """``show_rule`` None: the position rule ("Guess.")."""
+def _question(k: int, d: int, words: list[str], rule: str, show_rule: bool, room: bool) -> str:
     where = f"Room {k + 1} of {d}" if room else f"Question {k + 1} of {d}"
-    ask = "Guess." if show_rule is None else f"Which one is {CATEGORIES[k][1]}?" if show_rule else "Pick one."
+    if rule == "word":
+        return f"{where}: {WORD_ASK} {word_menu(words)}."
+    ask = "Guess." if rule == "position" else f"Which one is {CATEGORIES[k][1]}?" if show_rule else "Pick one."
     return f"{where}: {ask} {menu(words)}"
+
+
+WORD_ASK = "Say one word:"
+"""``rule: word``'s question (then the letterless menu)."""
 
 
 class DecisionsEnv(Env):
@@ -208,6 +244,9 @@ class DecisionsEnv(Env):
         """Per decision: (its menu of words, the right letter)."""
         if o.rule == "position":
             self.items = [(words, POSITION_KEYS[self.n][k]) for k, (words, _) in enumerate(self.items)]
+        elif o.rule == "word":  # decision k's own words, the right one (the first) at the task's letter
+            self.items = [_word_item(WORD_RULE[k][: self.n], letter) for k, (_, letter) in enumerate(self.items)]
+        self.words = o.rule == "word"
         self.corridor = o.mode == "corridor"
         if self.corridor:
             self.layout = ["decision"] * (o.horizon or 2 * self.d)  # kinds of turns; the room is state
@@ -225,9 +264,13 @@ class DecisionsEnv(Env):
 
     def _system(self) -> str:
         o = self.options
-        shows = "two options A and B" if self.n == 2 else "three options A, B and C"
-        lines = [f"You are answering a quiz. Each question shows {shows}.",
-                 "Reply with the letter and the word of your choice only, for example: B) chair"]  # fmt: skip
+        if self.words:
+            shows = "two words" if self.n == 2 else "three words"
+            reply = "Reply with the word of your choice only, for example: chair"
+        else:
+            shows = "two options A and B" if self.n == 2 else "three options A, B and C"
+            reply = "Reply with the letter and the word of your choice only, for example: B) chair"
+        lines = [f"You are answering a quiz. Each question shows {shows}.", reply]
         if self.corridor:
             lines.append(
                 f"You walk a corridor of {self.d} rooms. A right answer opens the door to the next room;"
@@ -237,29 +280,32 @@ class DecisionsEnv(Env):
             lines.append("Some turns are free turns: any option is fine there, it does not count.")
         if o.noise_turns:
             lines.append("Some turns are lottery turns: each option pays a hidden random amount.")
-        if not o.show_rule or o.rule == "position":
+        if not o.show_rule or o.rule != "category":
             lines.append("Each question has its own hidden rule for which option is right.")
         return "\n".join(lines)
 
     def _prompt(self) -> str:
         """The message asking for the next turn."""
         kind = self.layout[self.turn]
-        if kind == "lottery":
-            return f"{LOTTERY_TEXT} {menu(TURN_MENUS[self.n])}"
-        if kind == "free":
-            return f"{FREE_TEXT} {menu(TURN_MENUS[self.n])}"
-        shown = None if self.options.rule == "position" else self.options.show_rule
-        return _question(self.room, self.d, self.items[self.room][0], shown, self.corridor)
+        if kind in ("lottery", "free"):
+            text, words = LOTTERY_TEXT if kind == "lottery" else FREE_TEXT, TURN_MENUS[self.n]
+            return f"{text} {word_menu(words)}." if self.words else f"{text} {menu(words)}"
+        o = self.options
+        return _question(self.room, self.d, self.items[self.room][0], o.rule, o.show_rule, self.corridor)
 
     def initial_messages(self) -> list[Message]:
         messages: list[Message] = [{"role": "system", "content": self._system()}]
-        position = self.options.rule == "position"
-        if self.options.few_shot:
+        o = self.options
+        if o.few_shot:
             for question, three, letter in EXAMPLES:
                 words, answer = shrink(three, letter, self.n)
-                ask = "Guess." if position else question if self.options.show_rule else "Pick one."
-                messages.append({"role": "user", "content": f"Example. {ask} {menu(words)}"})
-                messages.append({"role": "assistant", "content": choices(words)[LETTERS.index(answer)]})
+                if self.words:
+                    ask, reply = f"{WORD_ASK} {word_menu(words)}.", words[LETTERS.index(answer)]
+                else:
+                    ask = "Guess." if o.rule == "position" else question if o.show_rule else "Pick one."
+                    ask, reply = f"{ask} {menu(words)}", choices(words)[LETTERS.index(answer)]
+                messages.append({"role": "user", "content": f"Example. {ask}"})
+                messages.append({"role": "assistant", "content": reply})
         return [*messages, {"role": "user", "content": "Now the quiz. " * self.options.few_shot + self._prompt()}]
 
     # ------------------------------------------------------------------ hooks
@@ -277,9 +323,8 @@ class DecisionsEnv(Env):
         not one outcome and the set is not declared (None: an exact audit refuses the run)."""
         if not self.options.strict:
             return None
-        if self.turn >= len(self.layout) or self.layout[self.turn] != "decision":
-            return choices(TURN_MENUS[self.n])
-        return choices(self.items[self.room][0])
+        menu_words = self.items[self.room][0] if self.layout[self.turn :][:1] == ["decision"] else TURN_MENUS[self.n]
+        return list(menu_words) if self.words else choices(menu_words)
 
     @classmethod
     def scripted_policies(cls):
@@ -292,7 +337,7 @@ class DecisionsEnv(Env):
             raise RuntimeError(f"decisions episode {self.task.task_id!r} is over; build a new env")
         kind = self.layout[self.turn]
         options = self.items[self.room][0] if kind == "decision" else list(TURN_MENUS[self.n])
-        choice = parse_choice(action_text, options, self.options.strict)
+        choice = parse_choice(action_text, options, self.options.strict, words_only=self.words)
         reward, note = 0.0, ""
         if choice is None and kind != "free":
             self.malformed += 1
@@ -353,6 +398,12 @@ class DecisionsEnv(Env):
         return load_task_file(path, split, validate=_validate)
 
 
+def _word_item(words: tuple[str, ...], letter: str) -> tuple[list[str], str]:
+    """``rule: word``: the menu with the right word (``words[0]``) at ``letter``, the others in order."""
+    at, others = LETTERS.index(letter), list(words[1:])
+    return [*others[:at], words[0], *others[at:]], letter
+
+
 def _validate(task: Task, where: str) -> None:
     items = task.params.get("decisions")
     if not isinstance(items, list) or len(items) != MAX_DECISIONS:
@@ -374,13 +425,24 @@ def _validate(task: Task, where: str) -> None:
 
 _QUESTION_RE = re.compile(r"(?:Question|Room) (\d+) of \d+: ")
 _OPTION_RE = re.compile(r"\b([A-C])\) (\w+)")
+_WORD_MENU_RE = re.compile(r": (\w+(?:, \w+)*) or (\w+)\.$")
+
+
+def _word_options(text: str) -> list[str]:
+    """The words of a letterless menu (``rule: word``) ending ``text``, or []."""
+    m = _WORD_MENU_RE.search(text)
+    return [*m.group(1).split(", "), m.group(2)] if m else []
 
 
 def oracle_policy(messages: list[Message]) -> str:
-    """The option of decision k's category (the pools hold every word), or of its letter under
-    ``rule: position``; ``A) left`` on other turns."""
+    """The option of decision k's category (the pools hold every word), of its letter under
+    ``rule: position``, or its first :data:`WORD_RULE` word under ``rule: word``; ``left`` on other turns."""
     last = str(messages[-1]["content"])
     m, options = _QUESTION_RE.search(last), _OPTION_RE.findall(last)
+    if f": {WORD_ASK} " in last:  # rule: word
+        return WORD_RULE[int(m.group(1)) - 1][0] if m else "left"
+    if _word_options(last):  # rule: word, a free or lottery turn
+        return "left"
     if m and ": Guess." in last:  # rule: position
         letter = POSITION_KEYS[len(options)][int(m.group(1)) - 1]
         return next(f"{x}) {w}" for x, w in options if x == letter)
@@ -393,7 +455,10 @@ def random_policy(seed: int):
     rng = random.Random(seed)
 
     def policy(messages: list[Message]) -> str:
-        options = _OPTION_RE.findall(str(messages[-1]["content"])) or [("A", "left")]
+        last = str(messages[-1]["content"])
+        if words := _word_options(last):
+            return rng.choice(words)
+        options = _OPTION_RE.findall(last) or [("A", "left")]
         return "{}) {}".format(*rng.choice(options))
 
     return policy
