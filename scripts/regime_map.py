@@ -43,10 +43,10 @@ VARIANTS = [  # (experiment name, D, reward timing, label)
     ("regime_d2_turn", 2, "per_turn", "D 2, per turn"),
     ("regime_d4_turn", 4, "per_turn", "D 4, per turn"),
     ("regime_d4_word_turn", 4, "per_turn", "D 4 (word rule), per turn"),
-    ("regime_d8_turn", 8, "per_turn", "D 8, per turn"),
+    ("regime_d8_word_turn", 8, "per_turn", "D 8 (word rule), per turn"),
     ("regime_d2_terminal", 2, "terminal", "D 2, terminal"),
     ("regime_d4_terminal", 4, "terminal", "D 4, terminal"),
-    ("regime_d8_terminal", 8, "terminal", "D 8, terminal"),
+    ("regime_d4_word_terminal", 4, "terminal", "D 4 (word rule), terminal"),
     ("regime_noisy_turn", 1, "per_turn", "noisy prefix, per turn"),
     ("regime_noisy_terminal", 1, "terminal", "noisy prefix, terminal"),
     ("regime_corridor", 3, "per_turn", "corridor D 3"),
@@ -279,43 +279,36 @@ def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
     names = sorted({arm for _, v in variants if v is not None for arm in v["arms"]})
     color = {arm: f"C{i}" for i, arm in enumerate(names)}  # one colour per arm in every panel
-    for timing, style in (("per_turn", "-o"), ("terminal", "--s")):
-        series: dict[str, list[tuple[int, dict]]] = {}
-        for (name, d, t, _label), v in variants:
-            if v is None or t != timing or any(x in name for x in ("noisy", "corridor", "word")):
-                continue
-            for arm, a in v["arms"].items():
-                series.setdefault(arm, []).append((d, a))
-        for arm, pts in sorted(series.items()):
-            pts.sort(key=lambda p: p[0])
-            vs = [p for p in pts if p[1]["vs_mid"] is not None]
-            if vs:
-                axes[0].errorbar(
-                    [p[0] for p in vs],
-                    [100 * p[1]["vs_mid"]["diff"] for p in vs],
-                    yerr=[100 * p[1]["vs_mid"]["se"] for p in vs],
-                    fmt=style,
-                    color=color[arm],
-                    capsize=3,
-                    label=f"{arm} ({timing})",
-                )
-            gains = [p for p in pts if p[1]["gain"] is not None]
-            axes[1].plot(
-                [p[0] for p in gains],
-                [100 * p[1]["gain"] for p in gains],
-                style,
-                color=color[arm],
-                label=f"{arm} ({timing})",
-            )
-    word = next((v for (n, *_), v in variants if n == "regime_d4_word_turn" and v is not None), None)
-    for arm, a in (word or {"arms": {}})["arms"].items():  # the word rule at D 4: stars, beside the D-series
-        if a["vs_mid"] is not None:
+    styles = {  # (rule, timing) -> (line style, x offset: the word series sits beside the position one)
+        ("position", "per_turn"): ("-o", 1.0), ("position", "terminal"): ("--s", 1.0),
+        ("word", "per_turn"): ("-*", 1.08), ("word", "terminal"): ("--*", 1.08),
+    }  # fmt: skip
+    series: dict[tuple[str, str, str], list[tuple[int, dict]]] = {}
+    for (name, d, timing, _label), v in variants:
+        if v is None or "noisy" in name or "corridor" in name:
+            continue
+        rule = "word" if "_word" in name else "position"
+        for arm, a in v["arms"].items():
+            series.setdefault((rule, timing, arm), []).append((d, a))
+    for (rule, timing, arm), pts in sorted(series.items()):
+        style, dx = styles[(rule, timing)]
+        pts.sort(key=lambda p: p[0])
+        label = f"{arm} ({rule}, {timing.replace('_', ' ')})"
+        vs = [p for p in pts if p[1]["vs_mid"] is not None]
+        if vs:
             axes[0].errorbar(
-                [4.4], [100 * a["vs_mid"]["diff"]], yerr=[100 * a["vs_mid"]["se"]], fmt="*", ms=10,
-                color=color[arm], capsize=3, label=f"{arm} (word rule, per turn)",
-            )  # fmt: skip
-        if a["gain"] is not None:
-            axes[1].plot([4.4], [100 * a["gain"]], "*", ms=10, color=color[arm], label=f"{arm} (word rule)")
+                [p[0] * dx for p in vs],
+                [100 * p[1]["vs_mid"]["diff"] for p in vs],
+                yerr=[100 * p[1]["vs_mid"]["se"] for p in vs],
+                fmt=style,
+                color=color[arm],
+                capsize=3,
+                label=label,
+            )
+        gains = [p for p in pts if p[1]["gain"] is not None]
+        axes[1].plot(
+            [p[0] * dx for p in gains], [100 * p[1]["gain"] for p in gains], style, color=color[arm], label=label
+        )
     axes[0].axhline(0, color="grey", lw=0.8)
     axes[0].set(xscale="log", xlabel="D (decisions per episode)", ylabel="points", title="vs group_mean at step 5")
     axes[1].set(xscale="log", xlabel="D", ylabel="points", title="gain, before → end")
@@ -324,6 +317,7 @@ def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
         ax.minorticks_off()
         ax.legend(fontsize=7)
     d4 = next((v for (n, *_), v in variants if n == "regime_d4_turn" and v is not None), None)
+    word = next((v for (n, *_), v in variants if n == "regime_d4_word_turn" and v is not None), None)
     for v, style, rule in ((d4, "-o", "position"), (word, "--*", "word")):
         for arm, a in (v or {"arms": {}})["arms"].items():
             xs, ys = [c[1] for c in a["curve"]], [100 * c[2] for c in a["curve"]]

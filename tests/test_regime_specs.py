@@ -41,7 +41,8 @@ def test_regime_specs_resolve_to_their_design(path, tmp_path):
     assert spec.primary.baseline == "group_mean" and spec.audit is not None
     for run in runs:
         env = run.config.env
-        rule = "word" if "_word" in spec.name else "position"  # the word rule: decisions that share no reply
+        word = "_word" in spec.name or spec.name == "regime_corridor"  # the word rule: decisions that share no reply
+        rule = "word" if word else "position"
         assert env.name == "decisions" and env.options["rule"] == rule
         assert run.config.train.steps == 10 and run.config.eval.every == 5
     leaves = {r.arm: r.config.rollout.tasks_per_step * r.config.episodes_per_task for r in runs if "_x" not in r.arm}
