@@ -8,6 +8,7 @@ paired differences follow the experiments' verdict rule (s_d/√m, t critical va
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 from pathlib import Path
 
@@ -73,8 +74,6 @@ def test_the_maps_paired_difference_is_the_verdict_rule_by_hand():
 def test_the_maps_per_decision_rates_by_hand(tmp_path):
     """Per position: the share of held-out games whose turn earned a reward, and the paired difference per
     position by the verdict's rule."""
-    import json
-
     m = _map_module()
 
     def run_dir(arm: str, seed: int, games: list[list[float]]) -> dict:
@@ -102,3 +101,29 @@ def test_the_maps_per_decision_rates_by_hand(tmp_path):
     # position 2: d = -0.5, 0.0 -> mean -0.25
     assert out["stepwise"]["vs"][1]["diff"] == pytest.approx(-0.25)
     assert "vs" not in out["group_mean"]
+
+
+def test_the_map_records_each_variant_and_reads_it_back(tmp_path, monkeypatch):
+    """Run directories are not kept in git: a variant read from its runs is recorded, read back when its runs
+    are absent, and replaced only by runs covering at least as many (arm, seed) pairs."""
+    m = _map_module()
+    runs, rec = tmp_path / "runs", tmp_path / "recorded"
+    five = {"arms": {"group_mean": {"seeds": [0, 1, 2, 3, 4]}, "stepwise": {"seeds": [0, 1, 2, 3, 4]}}}
+    two = {"arms": {"group_mean": {"seeds": [0, 1]}}}
+    monkeypatch.setattr(m, "read_variant", lambda root, name: dict(five))
+    first = m.load_variant(runs, "regime_x", rec)
+    assert first["source"].startswith("runs/regime_x") and (rec / "regime_x.json").exists()
+    monkeypatch.setattr(m, "read_variant", lambda root, name: None)
+    assert m.load_variant(runs, "regime_x", rec) == first
+    monkeypatch.setattr(m, "read_variant", lambda root, name: dict(two))
+    assert m.load_variant(runs, "regime_x", rec) == first  # fewer runs than recorded: the record stands
+    assert m.load_variant(runs, "regime_y", rec)["arms"] == two["arms"]
+
+
+def test_the_recorded_summaries_are_variants_of_the_map_with_a_source():
+    m = _map_module()
+    names = {v[0] for v in m.VARIANTS}
+    for path in sorted(m.RECORDED.glob("*.json")):
+        v = json.loads(path.read_text())
+        assert path.stem in names and v["name"] == path.stem and v["source"]
+        assert all(len(a["seeds"]) >= 5 for a in v["arms"].values()), path.stem  # the map's cells: 5 seeds or more
