@@ -69,6 +69,8 @@ def test_gigpo_flat_by_hand():
     assert res.advantages["h1"] == [0.0]
     assert res.metrics["gigpo/anchor_frac"] == pytest.approx(5 / 7)  # A×3 and B×2 of 7 turns
     assert res.metrics["gigpo/anchor_group_size"] == pytest.approx((3 + 2 + 3 + 1 + 3 + 2 + 1) / 7)
+    hist = {k.removeprefix("gigpo/anchor_size_"): v for k, v in res.metrics.items() if "anchor_size_" in k}
+    assert hist == pytest.approx({"1": 2 / 7, "2_3": 5 / 7, "4_7": 0.0, "8_15": 0.0, "16up": 0.0})
     half = gigpo_advantages(eps, GigpoParams(scale="none", step_norm="mean", gamma=0.5, omega=0.5))
     assert half.advantages["e1"] == pytest.approx([2 / 3 + 1 / 6, 2 / 3 + 0.25])
 

@@ -135,11 +135,16 @@ def _units(episodes: list[Episode], gamma: float):
     return units, of_turn
 
 
+SIZE_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, None))
+"""Anchor-group sizes binned for the histogram metrics (a size-1 group is a turn no other turn shares)."""
+
+
 def gigpo_advantages(episodes: list[Episode], cfg: GigpoParams) -> CreditResult:
     """A = A^E + ω A^S per turn (see the module doc). Metrics: ``gigpo/anchor_frac`` (fraction of
     turns, shared tree turns counted once, whose anchor group has ≥ 2 members),
-    ``gigpo/anchor_group_size`` (mean size of the anchor group a keyed turn is in) and
-    ``gigpo/step_adv_abs`` (mean |A^S| over turns)."""
+    ``gigpo/anchor_group_size`` (mean size of the anchor group a keyed turn is in), its histogram
+    ``gigpo/anchor_size_<bin>`` (the fraction of keyed turns whose anchor group's size falls in each of
+    :data:`SIZE_BINS`) and ``gigpo/step_adv_abs`` (mean |A^S| over turns)."""
     tree = any(e.branch for e in episodes)
     if tree and cfg.episode_stats == "per_step":
         raise ValueError("gigpo episode_stats: per_step applies to flat groups; trees use the branched node values")
@@ -189,6 +194,9 @@ def gigpo_advantages(episodes: list[Episode], cfg: GigpoParams) -> CreditResult:
             "gigpo/step_adv_abs": float(np.mean(np.abs(step))) if n else 0.0,
         }
     )
+    for lo, hi in SIZE_BINS:
+        name = f"gigpo/anchor_size_{lo}" + ("" if hi == lo else "up" if hi is None else f"_{hi}")
+        metrics[name] = sum(lo <= s and (hi is None or s <= hi) for s in keyed) / len(keyed) if keyed else 0.0
     return CreditResult(advantages, metrics)
 
 
