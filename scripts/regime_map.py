@@ -294,6 +294,27 @@ def orderings(variants: list[tuple[tuple, dict | None]]) -> tuple[list[str], flo
     return lines, pooled
 
 
+def against_rungs(variants: list[tuple[tuple, dict | None]]) -> list[str]:
+    """Each per-turn arm against the batch ladder's rungs at step 5, paired by seed (arm − rung = the two
+    differences to group_mean subtracted seed by seed): whether credit beats simply sampling k× the leaves,
+    and, where the arm's training time matches a rung's, the equal-compute comparison."""
+    lines = []
+    for (name, *_), v in variants:
+        if v is None:
+            continue
+        rungs = [r for r in v["arms"] if "_x" in r and (v["arms"][r]["vs_mid"] or {}).get("per_seed")]
+        for rung in rungs:
+            for arm, a in v["arms"].items():
+                if arm == BASELINE or "_x" in arm or not (a["vs_mid"] or {}).get("per_seed"):
+                    continue
+                mine, theirs = a["vs_mid"]["per_seed"], v["arms"][rung]["vs_mid"]["per_seed"]
+                if len(mine) != len(theirs):
+                    continue
+                d = _judged([x - y for x, y in zip(mine, theirs, strict=True)], [0.0] * len(mine))
+                lines.append(f"{name}: {arm} vs {rung} at step 5: {_diff(d, pct=True)} → {d['verdict'] if d else '–'}")
+    return lines
+
+
 def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
     import matplotlib
 
@@ -365,6 +386,9 @@ def main() -> int:
     lines, pooled = orderings(variants)
     text = md + "\n\n" + "\n".join(lines) + f"\n\npooled over variants: Spearman ρ = {pooled}\n"
     text += "\nPer decision (explanatory, read after the runs):\n\n" + decision_table(variants) + "\n"
+    text += (
+        "\nAgainst the batch ladder's rungs (step 5, paired by seed):\n\n" + "\n".join(against_rungs(variants)) + "\n"
+    )
     text += "\nSources:\n\n" + "\n".join(f"- {s[0]}: {v.get('source', '?')}" for s, v in variants if v) + "\n"
     (out / "regime_map.md").write_text(text)
     (out / "regime_map.json").write_text(json.dumps({s[0]: v for s, v in variants}, indent=1, default=str))
