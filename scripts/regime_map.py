@@ -308,10 +308,11 @@ def against_rungs(variants: list[tuple[tuple, dict | None]]) -> list[str]:
                 if arm == BASELINE or "_x" in arm or not (a["vs_mid"] or {}).get("per_seed"):
                     continue
                 mine, theirs = a["vs_mid"]["per_seed"], v["arms"][rung]["vs_mid"]["per_seed"]
-                if len(mine) != len(theirs):
-                    continue
+                if a["seeds"] != v["arms"][rung]["seeds"] or len(mine) != len(theirs):
+                    continue  # paired by position: only the same seeds, each with both evaluations
                 d = _judged([x - y for x, y in zip(mine, theirs, strict=True)], [0.0] * len(mine))
-                lines.append(f"{name}: {arm} vs {rung} at step 5: {_diff(d, pct=True)} → {d['verdict'] if d else '–'}")
+                assert d is not None  # per_seed is non-empty
+                lines.append(f"{name}: {arm} vs {rung} at step 5: {_diff(d, pct=True)} → {d['verdict']}")
     return lines
 
 

@@ -132,8 +132,11 @@ def test_the_recorded_summaries_are_variants_of_the_map_with_a_source():
 def test_an_arm_against_the_ladders_rung_is_paired_by_seed():
     """arm − rung per seed = (arm − group_mean) − (rung − group_mean): d = 0.02, 0.04, 0.06 → +4.0 ± 1.2."""
     m = _map_module()
-    arm = {"vs_mid": {"per_seed": [0.10, 0.12, 0.14]}}
-    rung = {"vs_mid": {"per_seed": [0.08, 0.08, 0.08]}}
+    arm = {"seeds": [0, 1, 2], "vs_mid": {"per_seed": [0.10, 0.12, 0.14]}}
+    rung = {"seeds": [0, 1, 2], "vs_mid": {"per_seed": [0.08, 0.08, 0.08]}}
     v = {"arms": {"group_mean": {"vs_mid": None}, "stepwise": arm, "group_mean_x2": rung}}
     (line,) = m.against_rungs([(("regime_x", 4, "per_turn", "x"), v)])
     assert "stepwise vs group_mean_x2" in line and "+4.0 ± 1.2" in line and "no difference resolved" in line
+    other = {"seeds": [0, 1, 3], "vs_mid": {"per_seed": [0.08, 0.08, 0.08]}}
+    v["arms"]["group_mean_x2"] = other  # other seeds: no pairing by position
+    assert m.against_rungs([(("regime_x", 4, "per_turn", "x"), v)]) == []

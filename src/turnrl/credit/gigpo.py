@@ -33,6 +33,7 @@ ALGORITHMS.md §1 "gigpo"; docs/algorithms.md has a worked example.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Sequence
 from typing import Literal
 
@@ -135,8 +136,9 @@ def _units(episodes: list[Episode], gamma: float):
     return units, of_turn
 
 
-SIZE_BINS = ((1, 1), (2, 3), (4, 7), (8, 15), (16, None))
-"""Anchor-group sizes binned for the histogram metrics (a size-1 group is a turn no other turn shares)."""
+SIZE_BINS = {"1": (1, 1), "2_3": (2, 3), "4_7": (4, 7), "8_15": (8, 15), "16up": (16, math.inf)}
+"""Anchor-group sizes (inclusive bounds) binned for the histogram metrics ``gigpo/anchor_size_<name>``
+(a size-1 group is a turn no other turn shares)."""
 
 
 def gigpo_advantages(episodes: list[Episode], cfg: GigpoParams) -> CreditResult:
@@ -194,9 +196,8 @@ def gigpo_advantages(episodes: list[Episode], cfg: GigpoParams) -> CreditResult:
             "gigpo/step_adv_abs": float(np.mean(np.abs(step))) if n else 0.0,
         }
     )
-    for lo, hi in SIZE_BINS:
-        name = f"gigpo/anchor_size_{lo}" + ("" if hi == lo else "up" if hi is None else f"_{hi}")
-        metrics[name] = sum(lo <= s and (hi is None or s <= hi) for s in keyed) / len(keyed) if keyed else 0.0
+    for name, (lo, hi) in SIZE_BINS.items():
+        metrics[f"gigpo/anchor_size_{name}"] = sum(lo <= s <= hi for s in keyed) / len(keyed) if keyed else 0.0
     return CreditResult(advantages, metrics)
 
 
