@@ -54,6 +54,7 @@ VARIANTS = [  # (experiment name, D, reward timing, label)
     ("regime_d2_terminal", 2, "terminal", "D 2, terminal"),
     ("regime_d4_terminal", 4, "terminal", "D 4, terminal"),
     ("regime_d4_word_terminal", 4, "terminal", "D 4 (word rule), terminal"),
+    ("regime_d8_word_terminal", 8, "terminal", "D 8 (word rule), terminal"),
     ("regime_noisy_turn", 1, "per_turn", "noisy prefix, per turn"),
     ("regime_noisy_terminal", 1, "terminal", "noisy prefix, terminal"),
     ("regime_corridor", 3, "per_turn", "corridor D 3"),
