@@ -363,13 +363,14 @@ def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
         ax.set_xticks([1, 2, 4, 8], ["1", "2", "4", "8"])
         ax.minorticks_off()
         ax.legend(fontsize=7)
-    d4 = next((v for (n, *_), v in variants if n == "regime_d4_turn" and v is not None), None)
-    word = next((v for (n, *_), v in variants if n == "regime_d4_word_turn" and v is not None), None)
-    for v, style, rule in ((d4, "-o", "position"), (word, "--*", "word")):
-        for arm, a in (v or {"arms": {}})["arms"].items():
+    found = {n: v for (n, *_), v in variants if v is not None}
+    curves = (("regime_d4_turn", "-o", "D 4, position"), ("regime_d4_word_turn", "--*", "D 4, word"))
+    curves += (("regime_d8_word_turn", ":^", "D 8, word"),)
+    for name, style, what in curves:
+        for arm, a in found.get(name, {"arms": {}})["arms"].items():
             xs, ys = [c[1] for c in a["curve"]], [100 * c[2] for c in a["curve"]]
-            axes[2].plot(xs, ys, style, color=color[arm], label=f"{arm} ({rule} rule)")
-    axes[2].set(xlabel="leaves seen", ylabel="held-out per-decision success (%)", title="D 4, per turn")
+            axes[2].plot(xs, ys, style, color=color[arm], label=f"{arm} ({what})")
+    axes[2].set(xlabel="leaves seen", ylabel="held-out per-decision success (%)", title="per turn, against leaves")
     axes[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
