@@ -364,8 +364,11 @@ def plot(variants: list[tuple[tuple, dict | None]], path: Path) -> None:
         ax.minorticks_off()
         ax.legend(fontsize=7)
     found = {n: v for (n, *_), v in variants if v is not None}
-    curves = (("regime_d4_turn", "-o", "D 4, position"), ("regime_d4_word_turn", "--*", "D 4, word"))
-    curves += (("regime_d8_word_turn", ":^", "D 8, word"),)
+    curves = (
+        ("regime_d4_turn", "-o", "D 4, position"),
+        ("regime_d4_word_turn", "--*", "D 4, word"),
+        ("regime_d8_word_turn", ":^", "D 8, word"),
+    )
     for name, style, what in curves:
         for arm, a in found.get(name, {"arms": {}})["arms"].items():
             xs, ys = [c[1] for c in a["curve"]], [100 * c[2] for c in a["curve"]]
