@@ -24,7 +24,8 @@ A variant with no finished run is listed as missing, never guessed.
 Run directories are not kept in git (a fresh checkout has none), so each variant's summary — everything
 above, per-seed differences included — is recorded in ``experiments/regime/results/<name>.json`` whenever
 its runs are read, and a variant whose runs are absent is read back from there (its ``source`` says from
-what). A record is replaced only by runs covering at least as many (arm, seed) pairs.
+what). A record is replaced only by runs covering at least as many (arm, seed) pairs, and only by an
+``experiment.json`` with group_mean and another arm (one arm's run of a spec writes one with that arm alone).
 """
 
 from __future__ import annotations
@@ -178,6 +179,13 @@ def read_variant(runs_root: Path, name: str) -> dict[str, Any] | None:
     if not exp_json.exists():
         return None
     exp = json.loads(exp_json.read_text())
+    arms_run = {r["arm"] for r in exp["runs"]}
+    if BASELINE not in arms_run or len(arms_run) < 2:  # one arm's own run of the spec overwrote the cell's
+        print(
+            f"{exp_json}: only {', '.join(sorted(arms_run)) or 'no arm'}; not a cell (run the whole spec)",
+            file=sys.stderr,
+        )
+        return None
     metric = exp["metric"]
     runs: dict[str, dict[int, RunResult]] = {}
     for r in exp["runs"]:

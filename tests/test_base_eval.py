@@ -2,8 +2,9 @@
 
 A run that takes another run's base evaluation writes the same bytes as one that evaluates (eval episodes,
 eval row, run record), and trains on the same rollouts (skipping the evaluation changes no random state the
-training reads); the key keeps what the evaluation reads and drops what the arms of an experiment vary;
-``turnrl experiment`` evaluates each seed's base once.
+training reads); kept on disk, it is taken by another process's store the same way, and a file for another
+key or one that does not read back is a miss; the key keeps what the evaluation reads and drops what the arms
+of an experiment vary; ``turnrl experiment`` evaluates each seed's base once, across its processes too.
 """
 
 from __future__ import annotations
@@ -62,6 +63,47 @@ def test_a_run_that_takes_the_base_evaluation_writes_and_trains_as_one_that_eval
     assert base[0] == base[1] and base[0]
 
 
+def test_a_base_evaluation_kept_on_disk_is_taken_by_another_process_store(tmp_path, monkeypatch):
+    calls = _counting(monkeypatch)
+    store = tmp_path / "base_eval"
+    credit = {"estimator": "stepwise", "gamma": 0.5}
+    train(_cfg(tmp_path, "first"), base_evaluations=BaseEvaluations(store))
+    (kept,) = store.iterdir()
+    n_first = len(calls)
+    later = BaseEvaluations(store)  # what another process opens: nothing in memory
+    assert len(later) == 0
+    train(_cfg(tmp_path, "took", credit=credit), base_evaluations=later)
+    assert len(calls) - n_first == n_first - 1  # every evaluation but the base's
+    train(_cfg(tmp_path, "own", credit=credit))
+    took, own = RunDir(tmp_path / "runs" / "took"), RunDir(tmp_path / "runs" / "own")
+    assert took.eval_rollouts(0).read_bytes() == own.eval_rollouts(0).read_bytes()
+    assert took.eval_csv.read_text() == own.eval_csv.read_text()
+    assert took.train_rollouts(0).read_bytes() == own.train_rollouts(0).read_bytes()
+    assert kept.name == BaseEvalKey.from_config(_cfg(tmp_path, "x")).file_name()
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        lambda rec: {**rec, "key": rec["key"].replace('"seed": 0', '"seed": 1')},  # another key's evaluation
+        lambda rec: {**rec, "episodes": [{"turns": "not a list"}]},  # not episodes
+        lambda rec: "truncated",
+    ],
+    ids=["another-key", "not-episodes", "not-a-record"],
+)
+def test_a_kept_file_for_another_key_or_unreadable_is_a_miss(tmp_path, spoil):
+    store = tmp_path / "base_eval"
+    cfg = _cfg(tmp_path, "first")
+    train(cfg, base_evaluations=BaseEvaluations(store))
+    key = BaseEvalKey.from_config(cfg)
+    path = store / key.file_name()
+    assert BaseEvaluations(store).get(key) is not None
+    path.write_text(json.dumps(spoil(json.loads(path.read_text()))))
+    assert BaseEvaluations(store).get(key) is None  # evaluated again, never another run's numbers
+    path.write_text(path.read_text()[:50])
+    assert BaseEvaluations(store).get(key) is None
+
+
 def test_the_key_keeps_what_the_evaluation_reads_and_drops_what_arms_vary(tmp_path):
     def key(**sections):
         return BaseEvalKey.from_config(_cfg(tmp_path, "k", **sections))
@@ -111,3 +153,20 @@ def test_an_experiment_evaluates_each_seeds_base_once(tmp_path, monkeypatch):
     assert len(calls) == 3  # one base evaluation, two final ones
     a, b = (RunDir(tmp_path / "runs" / "shared" / arm / "seed0") for arm in ("a", "b"))
     assert a.eval_rollouts(0).read_bytes() == b.eval_rollouts(0).read_bytes()
+
+
+def test_an_experiment_run_one_arm_at_a_time_evaluates_each_seeds_base_once(tmp_path, monkeypatch):
+    calls = _counting(monkeypatch)
+    (tmp_path / "base.yaml").write_text(BASE)
+    for arm in ("a", "b"):  # the same experiment, one arm per process (what two queues on two cores do)
+        one = SPEC.replace("primary: {treatment: b, baseline: a}", "").replace(
+            "  - {name: b" if arm == "a" else "  - {name: a", "  # - {name: "
+        )
+        (tmp_path / f"shared_{arm}.yaml").write_text(one)
+        run_experiment(load_spec(tmp_path / f"shared_{arm}.yaml"), output_root=tmp_path / "runs", out=io.StringIO())
+    assert len(calls) == 3  # one base evaluation, two final ones
+    a, b = (RunDir(tmp_path / "runs" / "shared" / arm / "seed0") for arm in ("a", "b"))
+    assert a.eval_rollouts(0).read_bytes() == b.eval_rollouts(0).read_bytes()
+    assert len(list((tmp_path / "runs" / "shared" / "base_eval").iterdir())) == 1
+    run_experiment(load_spec(tmp_path / "shared_a.yaml"), output_root=tmp_path / "runs", out=io.StringIO(), fresh=True)
+    assert len(calls) == 5  # --fresh: the kept base evaluation went with the runs

@@ -120,6 +120,16 @@ def test_the_map_records_each_variant_and_reads_it_back(tmp_path, monkeypatch):
     assert m.load_variant(runs, "regime_y", rec)["arms"] == two["arms"]
 
 
+def test_an_experiment_json_of_one_arm_is_not_read_as_a_cell(tmp_path, capsys):
+    m = _map_module()
+    (tmp_path / "regime_x").mkdir()
+    for arms in (["stepwise"], ["group_mean"], []):
+        runs = [{"arm": a, "seed": s, "run_dir": str(tmp_path / "absent")} for a in arms for s in range(5)]
+        (tmp_path / "regime_x" / "experiment.json").write_text(json.dumps({"metric": "mean_reward", "runs": runs}))
+        assert m.read_variant(tmp_path, "regime_x") is None
+    assert "not a cell" in capsys.readouterr().err
+
+
 def test_the_recorded_summaries_are_variants_of_the_map_with_a_source():
     m = _map_module()
     names = {v[0] for v in m.VARIANTS}

@@ -5,7 +5,9 @@ in ``<output root>/<name>/<arm>/seed<k>``. Running a spec again reuses every
 finished run whose saved config ``train --resume`` would accept
 (:func:`turnrl.config.resume_conflicts`, the one "same run?" rule; a run with a
 checkpoint resumes from it) and refuses a run directory trained with a
-different config; ``fresh`` deletes the runs first.
+different config; ``fresh`` deletes the runs first. Each seed's base evaluation is
+computed once for all its arms, here and in later processes (``base_eval/``,
+:mod:`turnrl.train.base_eval`).
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ from turnrl.train.base_eval import BaseEvaluations
 from turnrl.train.settings import RunSettings
 from turnrl.train.summary import Summary
 
+BASE_EVAL_DIR = "base_eval"
+"""Under the experiment's directory: the base evaluations its runs share (:mod:`turnrl.train.base_eval`)."""
+
 Runner = Callable[..., Any]
 """``runner(cfg: RunConfig, console=Console) -> Any``: trains one run into ``paths.output_dir/run_name``."""
 
@@ -65,7 +70,7 @@ def train_run(
 ) -> Summary:
     """The default runner: :func:`turnrl.train.loop.train`, resuming a run directory that has a checkpoint;
     ``base_evaluations``: the experiment's base evaluations, shared by its runs that would compute the same one
-    (the arms of a seed; :mod:`turnrl.train.base_eval`)."""
+    (the arms of a seed, in this process and later ones; :mod:`turnrl.train.base_eval`)."""
     from turnrl.train.loop import run_dir_for, train
 
     resume = run_dir_for(cfg).checkpoint.exists()
@@ -120,18 +125,21 @@ def run_experiment(
     A run directory that already holds a finished run with the same config (by
     :func:`turnrl.config.resume_conflicts`) is reused, not retrained; one with a different
     config is an error unless ``fresh`` (which deletes the experiment's run directories
-    first). Prints the table and the final ``RESULT`` line to ``out`` (default stdout) and
-    writes ``experiment.json``, ``summary.md`` and ``experiment.png`` into
-    ``<output_root>/<name>/``.
+    and its shared base evaluations first). Prints the table and the final ``RESULT`` line
+    to ``out`` (default stdout) and writes ``experiment.json``, ``summary.md`` and
+    ``experiment.png`` into ``<output_root>/<name>/``.
     """
     console = console or make_console()
     out = out or sys.stdout
-    runner = runner or functools.partial(train_run, base_evaluations=BaseEvaluations())
     name = spec.experiment_name()
     plan = plan_runs(spec, output_root, overrides)
     resolve_runs(plan)
     exp_dir = Path(output_root) / name
     exp_dir.mkdir(parents=True, exist_ok=True)
+    shared_base = exp_dir / BASE_EVAL_DIR  # each seed's base evaluation, once for the experiment's processes
+    if fresh and shared_base.exists():
+        shutil.rmtree(contained(shared_base, output_root, "--fresh would delete"))
+    runner = runner or functools.partial(train_run, base_evaluations=BaseEvaluations(shared_base))
     prediction = None
     if spec.audit is not None:  # stated before any arm trains
         baseline = spec.primary.baseline if spec.primary is not None else plan[0].arm
